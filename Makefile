@@ -1,0 +1,58 @@
+# kvwire: the README's two commands.
+#   make demo   set up, then `kvwire check` and `kvwire bench` (the main job)
+#   make test   set up, then every test
+# Set-up is idempotent and quick when already done (stamp files).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+SYSLIBS := libibverbs.so.1 libnuma.so.1 libcurl.so.4
+APT_PKGS := libibverbs1 libnuma1 libcurl4
+DISTS  := core/pyproject.toml plugins/mooncake/pyproject.toml plugins/ascend/pyproject.toml plugins/hisparse/pyproject.toml
+DEV_DEPS := "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "ruff>=0.6" "mypy>=1.10" "setuptools>=68" "wheel"
+
+.PHONY: setup demo test bench lint typecheck syspkgs clean
+
+$(PY):
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "kvwire needs Python >= 3.10")'
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+syspkgs:
+	@missing=""; for lib in $(SYSLIBS); do ldconfig -p | grep -q "$$lib" || missing="$$missing $$lib"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing system packages for the Mooncake engine (missing:$$missing)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PKGS) >/dev/null; \
+	  else \
+	    echo "missing system libraries:$$missing -- run as root: apt-get update && apt-get install -y $(APT_PKGS)"; \
+	  fi; \
+	fi
+
+$(VENV)/.stamp-install: $(PY) $(DISTS) Makefile
+	$(PIP) install --quiet $(DEV_DEPS)
+	$(PIP) install --quiet -e core -e "plugins/mooncake[cpu]" -e plugins/ascend -e plugins/hisparse
+	@touch $@
+
+setup: syspkgs $(VENV)/.stamp-install
+
+demo: setup
+	$(VENV)/bin/kvwire check
+	$(VENV)/bin/kvwire bench --backend mooncake --preset llama3-8b --requests 32 --tokens 4096
+
+test: setup
+	$(PY) -m pytest tests
+
+bench: setup
+	$(PY) bench/planning.py
+	$(PY) bench/validation.py
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) build dist .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	find . -name __pycache__ -prune -exec rm -rf {} +
+	find . -name '*.egg-info' -prune -exec rm -rf {} +

@@ -1,0 +1,143 @@
+"""``Connection``: one backend instance behind pluggy, with the spec's guarantees.
+
+Every call goes through ``pm.hook.<name>(...)`` with every argument by keyword.
+Before ``send_kvcache`` reaches the backend, non-None arguments for features it
+lacks (or that its older spec version lacks: the adapted mode) are refused
+with :class:`UnsupportedFeatureError`, so nothing is silently dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import pluggy
+from numpy.typing import NDArray
+
+from kvwire.config import BackendConfig
+from kvwire.errors import BackendError, ConfigError, UnsupportedFeatureError
+from kvwire.layout import KVLayout
+from kvwire.markers import PROJECT_NAME
+from kvwire.spec import BackendSpec
+
+__all__ = ["Connection"]
+
+_MEMORY_FEATURES = {"host": "host_memory", "device": "device_memory"}
+
+
+class Connection:
+    """A live backend. Create it with :func:`kvwire.connect`; close it (or use ``with``)."""
+
+    def __init__(
+        self,
+        name: str,
+        cls: type | None,
+        capabilities: frozenset[str],
+        config: BackendConfig,
+        *,
+        middleware: Sequence[object] = (),
+        spec_version: str = "",
+    ) -> None:
+        if cls is None:
+            raise BackendError(f"backend {name!r} has no class to instantiate")
+        if not isinstance(config, BackendConfig):
+            raise ConfigError(f"config must be a kvwire.BackendConfig, got {type(config).__name__}")
+        self.name = name
+        self.capabilities = capabilities
+        self.spec_version = spec_version
+        self.config = config
+        self._pm = pluggy.PluginManager(PROJECT_NAME)
+        self._pm.add_hookspecs(BackendSpec)
+        self.backend: Any = cls(config)
+        self._pm.register(self.backend, name=name)
+        for i, extra in enumerate(middleware):
+            self._pm.register(extra, name=f"{name}.middleware[{i}]")
+        self._hook = self._pm.hook
+        self._closed = False
+
+    def _require(self, feature: str, why: str) -> None:
+        if feature not in self.capabilities:
+            raise UnsupportedFeatureError(
+                f"backend {self.name!r} (spec {self.spec_version}) does not support {feature!r}, "
+                f"needed for {why}; nothing was sent"
+            )
+
+    def register_kv_buffers(self, layout: KVLayout) -> None:
+        """Register the local KV memory (checked against the backend's capabilities first)."""
+        if not isinstance(layout, KVLayout):
+            raise ConfigError(f"layout must be a kvwire.KVLayout, got {type(layout).__name__}")
+        self._check_layout(layout, "the local layout")
+        self._hook.register_kv_buffers(layout=layout)
+
+    def _check_layout(self, layout: KVLayout, what: str) -> None:
+        self._require(layout.attention, f"{what} ({layout.attention.upper()} buffers)")
+        for kind, feature in _MEMORY_FEATURES.items():
+            if layout.has_memory(kind):  # type: ignore[arg-type]
+                self._require(feature, f"{what} ({kind} buffers)")
+
+    def endpoint(self) -> str:
+        """The id a peer passes as ``session_id`` to reach this endpoint."""
+        result = self._hook.endpoint()
+        if not isinstance(result, str):
+            raise BackendError(f"backend {self.name!r}: endpoint() returned {result!r}, expected a str")
+        return result
+
+    def add_peer(self, session_id: str, layout: KVLayout) -> None:
+        """Tell the backend a peer's layout (as the peer published it) before sending to it."""
+        if not isinstance(session_id, str) or not session_id:
+            raise ConfigError(f"session_id must be a non-empty str, got {session_id!r}")
+        if not isinstance(layout, KVLayout):
+            raise ConfigError(f"layout must be a kvwire.KVLayout, got {type(layout).__name__}")
+        self._check_layout(layout, f"peer {session_id!r}")
+        self._hook.add_peer(session_id=session_id, layout=layout)
+
+    def send_kvcache(
+        self,
+        session_id: str,
+        prefill_kv_indices: NDArray[np.int32],
+        dst_kv_ptrs: Sequence[int],
+        dst_kv_indices: NDArray[np.int32],
+        executor: Executor | None = None,
+        dst_layer_ids: Sequence[int] | None = None,
+        dst_device_kv_indices: NDArray[np.int32] | None = None,
+    ) -> int:
+        """Send pages to a peer; returns the bytes moved (see :class:`kvwire.BackendSpec`)."""
+        if dst_layer_ids is not None:
+            self._require("layer_ids", "dst_layer_ids")
+        if dst_device_kv_indices is not None:
+            self._require("device_kv_indices", "dst_device_kv_indices")
+        moved = self._hook.send_kvcache(
+            session_id=session_id,
+            prefill_kv_indices=prefill_kv_indices,
+            dst_kv_ptrs=dst_kv_ptrs,
+            dst_kv_indices=dst_kv_indices,
+            executor=executor,
+            dst_layer_ids=dst_layer_ids,
+            dst_device_kv_indices=dst_device_kv_indices,
+        )
+        if isinstance(moved, bool) or not isinstance(moved, (int, np.integer)):
+            raise BackendError(
+                f"backend {self.name!r}: send_kvcache returned {moved!r}; the spec requires the bytes moved "
+                "(an int) and failures raised as kvwire.TransferError"
+            )
+        return int(moved)
+
+    def close(self) -> None:
+        """Close the backend (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._hook.close()
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<kvwire.Connection backend={self.name!r} spec={self.spec_version} closed={self._closed}>"

@@ -1,0 +1,86 @@
+"""Validation findings: one drift of one backend from the spec, fully explained."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+__all__ = ["RULES", "Finding", "PluginOrigin", "Rule"]
+
+Rule = Literal[
+    "missing-parameter",
+    "unknown-parameter",
+    "parameter-order",
+    "parameter-kind",
+    "default-mismatch",
+    "annotation-mismatch",
+    "var-args",
+    "unknown-hook",
+    "missing-hook",
+    "spec-version",
+    "constructor",
+    "capabilities",
+]
+
+#: Every rule id, in the order checks run.
+RULES: tuple[Rule, ...] = (
+    "spec-version",
+    "constructor",
+    "capabilities",
+    "missing-hook",
+    "unknown-hook",
+    "var-args",
+    "missing-parameter",
+    "unknown-parameter",
+    "parameter-order",
+    "parameter-kind",
+    "default-mismatch",
+    "annotation-mismatch",
+)
+
+
+@dataclass(frozen=True)
+class PluginOrigin:
+    """Where a backend comes from: its name, distribution, version and entry point."""
+
+    name: str
+    distribution: str | None = None
+    version: str | None = None
+    entry_point: str | None = None
+
+    def describe(self) -> str:
+        dist = f"{self.distribution} {self.version}" if self.distribution else "registered at runtime"
+        where = f", entry point {self.entry_point}" if self.entry_point else ""
+        return f"backend {self.name!r} ({dist}{where})"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One way a backend differs from the spec, with both signatures and the fix."""
+
+    plugin: str
+    distribution: str | None
+    version: str | None
+    entry_point: str | None
+    hook: str
+    rule: Rule
+    message: str
+    spec_signature: str
+    impl_signature: str
+    fix: str
+
+    def render(self) -> str:
+        """Multi-line text for logs and the CLI."""
+        origin = PluginOrigin(self.plugin, self.distribution, self.version, self.entry_point)
+        return (
+            f"[{self.rule}] {origin.describe()}, hook {self.hook}: {self.message}\n"
+            f"    spec: {self.spec_signature}\n"
+            f"    impl: {self.impl_signature}\n"
+            f"    fix:  {self.fix}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return self.render()

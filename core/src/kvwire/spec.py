@@ -1,0 +1,220 @@
+"""The hook specification of a kvwire transfer backend, and its version history.
+
+The hookspecs below are the contract. Their history is data
+(:data:`SPEC_HISTORY`): each minor version may add optional ``send_kvcache``
+parameters (default None = feature unused), and the signature of an older
+version is the current one minus what came later. The validator compares a
+backend with the version it declares, so an old backend keeps working in an
+adapted mode instead of crashing.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from functools import cache, total_ordering
+from types import MappingProxyType
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvwire.capabilities import PARAMETER_FEATURES
+from kvwire.layout import KVLayout
+from kvwire.markers import hookspec
+
+__all__ = [
+    "SPEC_HISTORY",
+    "SPEC_VERSION",
+    "BackendSpec",
+    "SpecHook",
+    "SpecParam",
+    "SpecVersion",
+    "spec_hooks",
+]
+
+SPEC_VERSION = "1.2"
+
+
+@total_ordering
+@dataclass(frozen=True)
+class SpecVersion:
+    """A ``major.minor`` spec version."""
+
+    major: int
+    minor: int
+
+    @classmethod
+    def parse(cls, text: object) -> SpecVersion:
+        """Parse ``"1.2"``; ValueError on anything else."""
+        if not isinstance(text, str):
+            raise ValueError(f"spec version must be a string like '1.2', got {type(text).__name__} {text!r}")
+        parts = text.split(".")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"spec version must look like '1.2', got {text!r}")
+        return cls(int(parts[0]), int(parts[1]))
+
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, SpecVersion):
+            return NotImplemented
+        return (self.major, self.minor) < (other.major, other.minor)
+
+    def __str__(self) -> str:
+        return f"{self.major}.{self.minor}"
+
+
+@dataclass(frozen=True)
+class SpecRelease:
+    """One spec version: what it added, as (hook, parameter) pairs."""
+
+    version: SpecVersion
+    summary: str
+    added_parameters: tuple[tuple[str, str], ...] = ()
+
+
+SPEC_HISTORY: tuple[SpecRelease, ...] = (
+    SpecRelease(
+        SpecVersion(1, 0),
+        "register_kv_buffers, endpoint, add_peer, close; send_kvcache(session_id, prefill_kv_indices, "
+        "dst_kv_ptrs, dst_kv_indices, executor)",
+    ),
+    SpecRelease(
+        SpecVersion(1, 1),
+        "send_kvcache: +dst_layer_ids (pipeline-parallel layer mapping)",
+        (("send_kvcache", "dst_layer_ids"),),
+    ),
+    SpecRelease(
+        SpecVersion(1, 2),
+        "send_kvcache: +dst_device_kv_indices (HiSparse split host/device destinations)",
+        (("send_kvcache", "dst_device_kv_indices"),),
+    ),
+)
+
+
+class BackendSpec:
+    """The hooks every backend implements, as methods marked ``@kvwire.hookimpl``.
+
+    A backend class is constructed with one :class:`kvwire.BackendConfig`.
+    Calls reach it through pluggy, one backend per connection, so every hook
+    is ``firstresult``; middleware may wrap them with ``wrapper=True``.
+    """
+
+    @hookspec(firstresult=True)
+    def register_kv_buffers(self, layout: KVLayout) -> None:
+        """Register the local KV memory this endpoint sends from or receives into."""
+
+    @hookspec(firstresult=True)
+    def endpoint(self) -> str:
+        """The id peers pass as ``session_id`` to reach this endpoint."""
+
+    @hookspec(firstresult=True)
+    def add_peer(self, session_id: str, layout: KVLayout) -> None:
+        """Learn a peer's KV layout (published by the peer) before sending to it."""
+
+    @hookspec(firstresult=True)
+    def send_kvcache(
+        self,
+        session_id: str,
+        prefill_kv_indices: NDArray[np.int32],
+        dst_kv_ptrs: Sequence[int],
+        dst_kv_indices: NDArray[np.int32],
+        executor: Executor | None,
+        dst_layer_ids: Sequence[int] | None = None,
+        dst_device_kv_indices: NDArray[np.int32] | None = None,
+    ) -> int:
+        """Write the pages ``prefill_kv_indices`` into the peer; return the bytes moved.
+
+        Failures raise :class:`kvwire.TransferError` (or a subclass), never a status code.
+        """
+        raise NotImplementedError
+
+    @hookspec(firstresult=True)
+    def close(self) -> None:
+        """Release engine resources and unregister memory; idempotent."""
+
+
+@dataclass(frozen=True)
+class SpecParam:
+    """One spec parameter: resolved annotation, source text, default, and version."""
+
+    name: str
+    annotation: object
+    annotation_text: str
+    default: object
+    since: SpecVersion
+
+    @property
+    def declaration(self) -> str:
+        """The parameter as it should be written in an implementation."""
+        text = f"{self.name}: {self.annotation_text}"
+        return text if self.default is inspect.Parameter.empty else f"{text} = {self.default!r}"
+
+
+@dataclass(frozen=True)
+class SpecHook:
+    """One hook of the spec at one version."""
+
+    name: str
+    params: tuple[SpecParam, ...]
+    returns: object
+    returns_text: str
+
+    def signature_text(self) -> str:
+        return f"{self.name}({', '.join(p.declaration for p in self.params)}) -> {self.returns_text}"
+
+
+def _since(hook: str, param: str) -> SpecVersion:
+    for release in SPEC_HISTORY:
+        if (hook, param) in release.added_parameters:
+            return release.version
+    return SPEC_HISTORY[0].version
+
+
+@cache
+def _all_hooks() -> Mapping[str, SpecHook]:
+    import typing
+
+    hooks: dict[str, SpecHook] = {}
+    for name, func in vars(BackendSpec).items():
+        if not callable(func) or name.startswith("_"):
+            continue
+        hints = typing.get_type_hints(func)
+        raw = func.__annotations__
+        params = tuple(
+            SpecParam(p.name, hints[p.name], str(raw[p.name]), p.default, _since(name, p.name))
+            for p in list(inspect.signature(func).parameters.values())[1:]
+        )
+        hooks[name] = SpecHook(name, params, hints["return"], str(raw["return"]))
+    return MappingProxyType(hooks)
+
+
+@cache
+def spec_hooks(version: SpecVersion) -> Mapping[str, SpecHook]:
+    """The hooks of the spec at ``version``: parameters added later are left out."""
+    return MappingProxyType(
+        {
+            name: SpecHook(hook.name, tuple(p for p in hook.params if p.since <= version), hook.returns, hook.returns_text)
+            for name, hook in _all_hooks().items()
+        }
+    )
+
+
+def known_versions() -> tuple[SpecVersion, ...]:
+    """Every spec version this core implements, oldest first."""
+    return tuple(r.version for r in SPEC_HISTORY)
+
+
+def features_at(version: SpecVersion) -> frozenset[str]:
+    """The parameter-bound features present in the spec at ``version``."""
+    present = {p.name for p in spec_hooks(version)["send_kvcache"].params}
+    return frozenset(feature for param, feature in PARAMETER_FEATURES.items() if param in present)
+
+
+def parameter_since(hook: str, param: str) -> SpecVersion:
+    """The spec version that introduced ``param`` of ``hook``."""
+    return _since(hook, param)
+
+
+CURRENT = SpecVersion.parse(SPEC_VERSION)
+assert CURRENT == SPEC_HISTORY[-1].version, "SPEC_VERSION must be the newest release in SPEC_HISTORY"

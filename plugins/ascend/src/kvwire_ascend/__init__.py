@@ -1,0 +1,1 @@
+"""Ascend NPU backend for kvwire (torch_npu + Mooncake Ascend transport)."""

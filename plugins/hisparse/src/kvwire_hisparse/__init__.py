@@ -1,0 +1,1 @@
+"""HiSparse split host/device destination backend for kvwire (on the Mooncake transport)."""

@@ -1,0 +1,1 @@
+"""Mooncake Transfer Engine backend for kvwire (TCP anywhere, RDMA where NICs exist)."""
