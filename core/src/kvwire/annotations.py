@@ -24,13 +24,16 @@ class UnresolvedAnnotation(Exception):
 
 def resolve_annotation(annotation: object, func: Callable[..., Any]) -> object:
     """Evaluate a string annotation in ``func``'s module; other values pass through."""
-    if not isinstance(annotation, str):
-        return annotation
-    globalns = getattr(inspect.unwrap(func), "__globals__", {})
-    try:
-        return eval(annotation, dict(globalns))  # noqa: S307 - annotations are code by definition
-    except Exception as exc:  # NameError, AttributeError, TypeError from `X | Y` on old types...
-        raise UnresolvedAnnotation(f"cannot resolve annotation {annotation!r}: {type(exc).__name__}: {exc}") from None
+    globalns = dict(getattr(inspect.unwrap(func), "__globals__", {}))
+    for _ in range(3):  # a quoted annotation under `from __future__ import annotations` is a str twice
+        if not isinstance(annotation, str):
+            return annotation
+        text = annotation
+        try:
+            annotation = eval(text, globalns)  # noqa: S307 - annotations are code by definition
+        except Exception as exc:  # NameError, AttributeError, TypeError from `X | Y` on old types...
+            raise UnresolvedAnnotation(f"cannot resolve annotation {text!r}: {type(exc).__name__}: {exc}") from None
+    return annotation
 
 
 def annotation_key(annotation: object) -> Hashable:

@@ -178,8 +178,8 @@ class Registry:
             by_name.setdefault(ep.name, []).append(ep)
         infos: dict[str, BackendInfo] = {}
         for name in sorted(by_name):
-            eps = by_name[name]
-            if len(eps) > 1:
+            eps = sorted(by_name[name], key=lambda ep: _dist_of(ep)[0] or "")
+            if len(eps) > 1 and (self.allow is None or name in self.allow):
                 dists = [f"{d or '?'} {v or ''}".strip() for d, v in map(_dist_of, eps)]
                 infos[name] = self._duplicate(name, eps, dists)
                 continue

@@ -226,7 +226,7 @@ def _check_constructor(cls: type) -> list[_Issue]:
                    f"define `{expected}`", expected, "__init__(self)")
         ]
     params, text = _impl_parameters(cls.__init__, True)
-    impl = f"__init__{text}"
+    impl = f"__init__(self{', ' if params else ''}{text[1:]}"
     bad = len(params) != 1 or params[0].name != "config" or params[0].kind in _VAR_KINDS
     if not bad and params[0].kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
         bad = True
@@ -242,6 +242,11 @@ def _check_constructor(cls: type) -> list[_Issue]:
     if reason:
         return [_Issue("__init__", "constructor", f"parameter `config` {reason}", f"define `{expected}`", expected, impl)]
     return []
+
+
+def _with_self(signature: str) -> str:
+    name, rest = signature.split("(", 1)
+    return f"{name}(self{'' if rest.startswith(')') else ', '}{rest}"
 
 
 def _check_hooks(cls: type, version: SpecVersion) -> list[_Issue]:
@@ -262,7 +267,7 @@ def _check_hooks(cls: type, version: SpecVersion) -> list[_Issue]:
         if func is None:
             issues.append(
                 _Issue(name, "missing-hook", f"required hook `{name}` is not implemented",
-                       f"add `@kvwire.hookimpl def {hook.signature_text().replace('(', '(self, ', 1)}`",
+                       f"add `@kvwire.hookimpl def {_with_self(hook.signature_text())}`",
                        hook.signature_text(), "<absent>")
             )
             continue

@@ -1,0 +1,46 @@
+"""Shared fixtures: test backend wheels installed into a throwaway directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "core"))
+
+import plugin_wheels  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding the installed test backend wheels (see plugin_wheels.VARIANTS)."""
+    return plugin_wheels.build_and_install(tmp_path_factory.mktemp("kvtest-plugins"))
+
+
+RunPy = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture(scope="session")
+def run_with_plugins(plugin_site: Path) -> RunPy:
+    """Run ``python <args>`` in a fresh process that sees the test wheels' entry points."""
+
+    def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVWIRE_")}
+        full_env["PYTHONPATH"] = str(plugin_site)
+        full_env.update(env or {})
+        return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=full_env, timeout=120)
+
+    return run
+
+
+def check_json(run: RunPy, *extra: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    """``kvwire check --json`` through the plugins, as {name: entry}."""
+    proc = run("-m", "kvwire", "check", "--json", *extra, env=env)
+    assert proc.stdout, proc.stderr
+    return proc.returncode, {entry["name"]: entry for entry in json.loads(proc.stdout)}

@@ -1,0 +1,131 @@
+"""Runtime registration, connection-time capabilities, and pluggy dispatch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from backends_for_tests import Recorder, Recorder11, ReturnsStatus
+
+import kvwire
+from kvwire import KVBuffer, KVLayout
+
+
+@pytest.fixture
+def registry() -> kvwire.Registry:
+    return kvwire.Registry(allow=["local"], policy="strict")
+
+
+def _layout(memory: str = "host", role: str = "kv") -> KVLayout:
+    return KVLayout((KVBuffer(4096, 64, 16, 0, role, memory),))  # type: ignore[arg-type]
+
+
+def test_every_argument_reaches_the_backend(registry: kvwire.Registry) -> None:
+    registry.register("recorder", Recorder)
+    conn = registry.connect("recorder", features={"layer_ids", "device_kv_indices"})
+    args = {
+        "session_id": "peer:1",
+        "prefill_kv_indices": np.array([1, 2], np.int32),
+        "dst_kv_ptrs": [4096],
+        "dst_kv_indices": np.array([3, 4], np.int32),
+        "executor": None,
+        "dst_layer_ids": [7],
+        "dst_device_kv_indices": np.array([5, 6], np.int32),
+    }
+    assert conn.send_kvcache(**args) == 4096
+    name, received = conn.backend.calls[-1]
+    assert name == "send_kvcache"
+    received.pop("self")
+    assert set(received) == set(args)
+    for key, value in args.items():
+        assert received[key] is value, key  # the very object, not a default
+
+
+def test_lifecycle_hooks_go_through_pluggy(registry: kvwire.Registry) -> None:
+    registry.register("recorder", Recorder)
+    layout = _layout()
+    with registry.connect("recorder") as conn:
+        conn.register_kv_buffers(layout)
+        conn.add_peer("peer:1", layout)
+        assert conn.endpoint() == "recorder://1"
+    assert [c[0] for c in conn.backend.calls] == ["register_kv_buffers", "add_peer", "close"]
+    conn.close()  # idempotent
+    assert [c[0] for c in conn.backend.calls].count("close") == 1
+
+
+def test_adapted_backend_refuses_later_feature_before_call(registry: kvwire.Registry) -> None:
+    info = registry.register("old", Recorder11)
+    assert (info.status, info.spec_version) == ("adapted", "1.1")
+    conn = registry.connect("old")
+    idx = np.array([1], np.int32)
+    with pytest.raises(kvwire.UnsupportedFeatureError) as exc:
+        conn.send_kvcache("p", idx, [1], idx, None, None, np.array([2], np.int32))
+    assert str(exc.value) == (
+        "backend 'old' (spec 1.1) does not support 'device_kv_indices', needed for dst_device_kv_indices; "
+        "nothing was sent"
+    )
+    assert conn.backend.calls == []
+    assert conn.send_kvcache("p", idx, [1], idx, None, [0]) == 0  # layer ids are 1.1: they pass
+    assert conn.backend.calls[-1][1]["dst_layer_ids"] == [0]
+
+
+def test_required_feature_missing_fails_at_connect_naming_supporters(registry: kvwire.Registry) -> None:
+    registry.register("old", Recorder11)
+    with pytest.raises(kvwire.UnsupportedFeatureError) as exc:
+        registry.connect("old", features={"device_kv_indices"})
+    assert str(exc.value) == (
+        "backend 'old' (runtime, spec 1.1) does not support required feature(s) ['device_kv_indices']; "
+        "backends that support them: local (kvwire)"
+    )
+    with pytest.raises(kvwire.ConfigError, match=r"features: unknown feature\(s\) \['split'\]"):
+        registry.connect("old", features={"split"})
+
+
+def test_layout_features_checked_at_registration(registry: kvwire.Registry) -> None:
+    registry.register("old", Recorder11)
+    conn = registry.connect("old")
+    with pytest.raises(kvwire.UnsupportedFeatureError, match="does not support 'mla', needed for the local layout"):
+        conn.register_kv_buffers(_layout())
+    with pytest.raises(kvwire.UnsupportedFeatureError, match="'device_memory', needed for peer 'p' \\(device"):
+        conn.add_peer("p", KVLayout((KVBuffer(4096, 64, 16, 0, "k", "device"), KVBuffer(8192, 64, 16, 0, "v"))))
+    assert conn.backend.calls == []
+
+
+def test_runtime_registration_validates(registry: kvwire.Registry) -> None:
+    class Drifted(Recorder11):
+        spec_version = "1.2"
+
+    with pytest.raises(kvwire.BackendDriftError) as exc:
+        registry.register("drifted", Drifted)
+    (finding,) = exc.value.findings
+    assert finding.rule == "missing-parameter"
+    assert finding.entry_point is not None and finding.entry_point.endswith("Drifted")
+    assert "registered at runtime" in str(exc.value)
+    quarantine = kvwire.Registry(allow=["local"], policy="quarantine")
+    info = quarantine.register("drifted", Drifted)
+    assert info.status == "drift"
+    with pytest.raises(kvwire.BackendNotAvailableError, match=r"backend 'drifted' is not available \(drift: 1"):
+        quarantine.connect("drifted")
+
+
+def test_duplicate_runtime_name(registry: kvwire.Registry) -> None:
+    with pytest.raises(kvwire.DuplicateBackendError, match="backend name 'local' is already taken by kvwire"):
+        registry.register("local", Recorder)
+
+
+def test_status_code_return_is_an_error(registry: kvwire.Registry) -> None:
+    registry.register("status", ReturnsStatus)
+    conn = registry.connect("status")
+    idx = np.array([1], np.int32)
+    with pytest.raises(kvwire.BackendError, match="send_kvcache returned None; the spec requires the bytes moved"):
+        conn.send_kvcache("p", idx, [1], idx)
+
+
+def test_bad_arguments_are_typed_errors() -> None:
+    with pytest.raises(kvwire.ConfigError, match="policy must be one of"):
+        kvwire.Registry(policy="lenient")  # type: ignore[arg-type]
+    with pytest.raises(kvwire.ConfigError, match="allow must be a collection"):
+        kvwire.Registry(allow="local")
+    with pytest.raises(kvwire.ConfigError, match="BackendConfig.timeout_s must be finite and > 0, got 0"):
+        kvwire.BackendConfig(timeout_s=0)
+    with pytest.raises(kvwire.ConfigError, match=r"max_descriptors_per_call must be in \[1, 2048\], got 4096"):
+        kvwire.BackendConfig(max_descriptors_per_call=4096)

@@ -1,0 +1,169 @@
+"""Discovery and validation through real entry points of real installed wheels."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from conftest import RunPy, check_json
+
+pytestmark = pytest.mark.slow
+
+EXPECTED_RULE = {
+    "missing_parameter": "missing-parameter",
+    "unknown_parameter": "unknown-parameter",
+    "parameter_order": "parameter-order",
+    "parameter_kind": "parameter-kind",
+    "default_mismatch": "default-mismatch",
+    "annotation_mismatch": "annotation-mismatch",
+    "var_args": "var-args",
+    "unknown_hook": "unknown-hook",
+    "missing_hook": "missing-hook",
+    "spec_version": "spec-version",
+    "constructor": "constructor",
+}
+
+
+def test_each_rule_is_reported_by_check(run_with_plugins: RunPy) -> None:
+    code, entries = check_json(run_with_plugins)
+    assert code == 1
+    for name, rule in EXPECTED_RULE.items():
+        entry = entries[name]
+        assert entry["status"] == "drift", entry
+        assert rule in {f["rule"] for f in entry["findings"]}, (name, entry["findings"])
+        for finding in entry["findings"]:
+            assert set(finding) >= {"hook", "rule", "message"}
+    assert entries["ok"]["status"] == "ok"
+    assert entries["ok"]["spec_version"] == "1.2"
+    assert entries["adapted"]["status"] == "adapted"
+    assert entries["adapted"]["spec_version"] == "1.1"
+    assert entries["adapted"]["capabilities"] == ["layer_ids", "mha"]
+    assert entries["local"]["status"] == "ok"
+
+
+def test_ascend_case_message_names_everything(run_with_plugins: RunPy) -> None:
+    _, entries = check_json(run_with_plugins)
+    (finding,) = entries["missing_parameter"]["findings"]
+    assert finding["hook"] == "send_kvcache"
+    assert finding["message"] == (
+        "parameter `dst_device_kv_indices` added in spec 1.2 is missing (the caller's value would be dropped)"
+    )
+    assert finding["fix"].startswith("add `dst_device_kv_indices: NDArray[np.int32] | None = None` after `dst_layer_ids`")
+    assert "dst_device_kv_indices: NDArray[np.int32] | None = None" in finding["spec_signature"]
+    assert "dst_device_kv_indices" not in finding["impl_signature"]
+    proc = run_with_plugins("-m", "kvwire", "check")
+    assert (
+        "[missing-parameter] backend 'missing_parameter' (kvtest-missing-parameter 0.3.2, "
+        "entry point kvtest_missing_parameter:Backend), hook send_kvcache:"
+    ) in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("name", "fragment"),
+    [
+        ("unknown_parameter", "parameter `dst_device_indices` is not in the spec; did you mean `dst_device_kv_indices`?"),
+        ("parameter_order", "parameters are in the order (session_id, prefill_kv_indices, dst_kv_indices, dst_kv_ptrs"),
+        ("parameter_kind", "parameter `dst_layer_ids` is keyword-only, the spec's is positional-or-keyword"),
+        ("default_mismatch", "parameter `dst_layer_ids` has default (), the spec's has default None"),
+        ("annotation_mismatch", "parameter `dst_device_kv_indices` is annotated `NDArray[np.int64] | None`, "
+                                "spec says `NDArray[np.int32] | None`"),
+        ("var_args", "`**kwargs` would swallow arguments"),
+        ("unknown_hook", "`send_kv_cache` is marked @kvwire.hookimpl but the spec has no such hook; "
+                         "did you mean `send_kvcache`?"),
+        ("missing_hook", "required hook `close` is not implemented"),
+        ("spec_version", "spec_version 2.0 is of major version 2; this kvwire implements 1.2"),
+        ("constructor", "the constructor must take exactly one parameter, `config: kvwire.BackendConfig`"),
+    ],
+)
+def test_rule_messages(run_with_plugins: RunPy, name: str, fragment: str) -> None:
+    _, entries = check_json(run_with_plugins)
+    messages = [f["message"] for f in entries[name]["findings"]]
+    assert any(fragment in m for m in messages), messages
+
+
+def test_import_error_and_duplicates_are_isolated(run_with_plugins: RunPy) -> None:
+    _, entries = check_json(run_with_plugins)
+    broken = entries["import_error"]
+    assert broken["status"] == "import-error"
+    assert broken["error"] == "ImportError: libfake_transport.so: cannot open shared object file"
+    twin = entries["twin"]
+    assert twin["status"] == "duplicate"
+    assert "kvtest-twin-a 0.3.14, kvtest-twin-b 0.3.15" in twin["error"]
+    assert entries["ok"]["status"] == "ok"  # the others still load
+
+
+def test_allow_list_never_imports_unlisted(run_with_plugins: RunPy) -> None:
+    code, entries = check_json(run_with_plugins, env={"KVWIRE_BACKENDS": "ok,adapted"})
+    assert code == 0
+    assert entries["import_error"]["status"] == "blocked"  # imported, it would be import-error
+    assert entries["missing_parameter"]["status"] == "blocked"
+    code, entries = check_json(run_with_plugins, "--backends", "ok,local,import_error")
+    assert code == 1
+    assert entries["import_error"]["status"] == "import-error"
+
+
+def test_strict_flag_fails_adapted(run_with_plugins: RunPy) -> None:
+    assert check_json(run_with_plugins, "--backends", "ok,adapted")[0] == 0
+    assert check_json(run_with_plugins, "--backends", "ok,adapted", "--strict")[0] == 1
+
+
+def test_table_output(run_with_plugins: RunPy) -> None:
+    proc = run_with_plugins("-m", "kvwire", "check", "--backends", "ok,adapted,local")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["backend", "distribution", "version", "spec", "status", "capabilities"]
+    assert lines[2].split()[:5] == ["adapted", "kvtest-adapted", "0.3.1", "1.1", "adapted"]
+    assert "3/3 allowed backend(s) pass" in proc.stdout
+
+
+POLICY_SCRIPT = textwrap.dedent(
+    """
+    import kvwire
+    reg = kvwire.Registry(policy={policy!r})
+    try:
+        infos = reg.load()
+    except kvwire.BackendDriftError as exc:
+        plugins = sorted({{f.plugin for f in exc.findings}})
+        print("DRIFT", plugins)
+        raise SystemExit(0)
+    print("LOADED", sorted(i.name for i in infos if i.usable))
+    try:
+        reg.connect("missing_parameter")
+    except kvwire.BackendNotAvailableError as exc:
+        print("REFUSED", exc)
+    conn = reg.connect("ok")
+    print("ENDPOINT", conn.endpoint())
+    """
+)
+
+
+def test_strict_policy_reports_all_drift_together(run_with_plugins: RunPy) -> None:
+    proc = run_with_plugins("-c", POLICY_SCRIPT.format(policy="strict"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("DRIFT ")
+    assert set(EXPECTED_RULE) <= set(eval(proc.stdout[len("DRIFT "):]))
+
+
+def test_quarantine_policy_keeps_the_rest_usable(run_with_plugins: RunPy) -> None:
+    proc = run_with_plugins("-c", POLICY_SCRIPT.format(policy="quarantine"))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "LOADED ['adapted', 'local', 'ok']" in out
+    assert (
+        "REFUSED backend 'missing_parameter' is not available (drift: 1 finding(s) (missing-parameter)). "
+        "Available: adapted (kvtest-adapted 0.3.1), local (kvwire 0.1.0), ok (kvtest-ok 0.3.0). Not available: "
+    ) in out
+    assert "import_error (import-error: ImportError: libfake_transport.so" in out
+    assert "twin (duplicate: backend name 'twin' is claimed by 2 distributions" in out
+    assert "ENDPOINT test://endpoint" in out
+    assert "drifts from the spec" in proc.stderr  # quarantine is loud
+
+
+def test_connect_to_missing_backend_lists_available(run_with_plugins: RunPy) -> None:
+    script = (
+        "import kvwire\n"
+        "try:\n    kvwire.connect('nope')\n"
+        "except kvwire.BackendNotAvailableError as e:\n    print(e)\n"
+    )
+    proc = run_with_plugins("-c", script, env={"KVWIRE_BACKENDS": "ok,local,nope"})
+    assert proc.stdout.startswith("backend 'nope' is not installed. Available: local (kvwire 0.1.0), ok (kvtest-ok 0.3.0).")

@@ -1,0 +1,123 @@
+"""Validator details that need no installed wheel: normalisation, inference, capabilities."""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from backends_for_tests import Recorder, Recorder11
+from numpy.typing import NDArray
+
+import kvwire
+from kvwire.annotations import annotation_key
+from kvwire.findings import PluginOrigin
+
+ORIGIN = PluginOrigin("t", "kvtest", "1.0", "mod:Cls")
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (typing.Optional[int], int | None),  # noqa: UP045
+        (typing.Union[None, str], str | None),  # noqa: UP007
+        (typing.Sequence[int], Sequence[int]),  # noqa: UP006
+        (typing.List[int], list[int]),  # noqa: UP006
+        (typing.Optional[NDArray[np.int32]], NDArray[np.int32] | None),  # noqa: UP045
+    ],
+)
+def test_equivalent_annotations(a: object, b: object) -> None:
+    assert annotation_key(a) == annotation_key(b)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [(int, str), (Sequence[int], list[int]), (NDArray[np.int32], NDArray[np.int64]), (int | None, int)],
+)
+def test_different_annotations(a: object, b: object) -> None:
+    assert annotation_key(a) != annotation_key(b)
+
+
+def test_inferred_version_and_explicit_adapted() -> None:
+    class Undeclared(Recorder11):
+        spec_version = None
+
+    result = kvwire.validate_backend(Undeclared, ORIGIN)
+    assert (result.status, result.spec_version, result.declared_spec_version) == ("adapted", "1.1", None)
+    assert kvwire.validate_backend(Recorder, ORIGIN).status == "ok"
+
+
+def test_unresolvable_string_annotation() -> None:
+    namespace: dict[str, object] = {}
+    exec(
+        "import kvwire\n"
+        "class B:\n"
+        "    @kvwire.hookimpl\n"
+        "    def endpoint(self) -> 'Missing': ...\n",
+        namespace,
+    )
+
+    class Bad(Recorder):
+        endpoint = namespace["B"].endpoint  # type: ignore[attr-defined]
+
+    findings = [f for f in kvwire.validate_backend(Bad, ORIGIN).findings if f.hook == "endpoint"]
+    assert [f.rule for f in findings] == ["annotation-mismatch"]
+    assert findings[0].message == (
+        "the return value cannot resolve annotation 'Missing': NameError: name 'Missing' is not defined (spec: `str`)"
+    )
+
+
+def test_capability_findings() -> None:
+    class Claims(Recorder11):
+        capabilities = frozenset({"layer_ids", "device_kv_indices", "layer_id"})
+
+    messages = [f.message for f in kvwire.validate_backend(Claims, ORIGIN).findings]
+    assert messages == [
+        "unknown feature 'layer_id'; did you mean 'layer_ids'?",
+        "declares 'device_kv_indices', but spec 1.1 has no parameter for it",
+    ]
+
+
+def test_unmarked_hook_and_non_class() -> None:
+    class Unmarked(Recorder):
+        def close(self) -> None:  # not marked: pluggy would never call it
+            pass
+
+    (finding,) = kvwire.validate_backend(Unmarked, ORIGIN).findings
+    assert (finding.rule, finding.fix) == ("missing-hook", "decorate `close` with @kvwire.hookimpl")
+    (finding,) = kvwire.validate_backend(lambda config: None, ORIGIN).findings
+    assert finding.rule == "constructor"
+    assert finding.message == "the entry point names a function, not a class"
+
+
+@pytest.mark.parametrize(
+    ("declared", "message"),
+    [
+        ("1.7", "spec_version 1.7 is newer than this kvwire's spec 1.2"),
+        ("one", "spec version must look like '1.2', got 'one'"),
+        ("0.9", "spec_version 0.9 is of major version 0; this kvwire implements 1.2"),
+    ],
+)
+def test_spec_version_rule(declared: str, message: str) -> None:
+    cls = type("V", (Recorder,), {"spec_version": declared})
+    findings = kvwire.validate_backend(cls, ORIGIN).findings
+    assert [(f.rule, f.message) for f in findings] == [("spec-version", message)]
+
+
+def test_finding_render_names_everything() -> None:
+    class Drifted(Recorder11):
+        spec_version = "1.2"
+
+    (finding,) = kvwire.validate_backend(Drifted, ORIGIN).findings
+    text = finding.render()
+    assert text.splitlines()[0] == (
+        "[missing-parameter] backend 't' (kvtest 1.0, entry point mod:Cls), hook send_kvcache: "
+        "parameter `dst_device_kv_indices` added in spec 1.2 is missing (the caller's value would be dropped)"
+    )
+    assert text.splitlines()[1].startswith("    spec: send_kvcache(session_id: str, ")
+    assert text.splitlines()[2].startswith("    impl: send_kvcache(session_id: str, ")
+    assert text.splitlines()[3] == (
+        "    fix:  add `dst_device_kv_indices: NDArray[np.int32] | None = None` after `dst_layer_ids`, "
+        "or declare spec_version = '1.1' to load adapted with that feature off"
+    )
