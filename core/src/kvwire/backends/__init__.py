@@ -1,0 +1,1 @@
+"""Backends shipped in the core distribution."""

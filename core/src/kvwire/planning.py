@@ -1,0 +1,526 @@
+"""Transfer planning: the address arithmetic every backend shares.
+
+:func:`plan_transfer` turns one ``send_kvcache`` request (page ids on both
+sides, the peer's buffer pointers, an optional pipeline-parallel layer mapping
+and optional HiSparse device page ids) into flat ``(src, dst, length)`` arrays
+for one batch call of a transport engine. Keeping it in one place means the
+arithmetic, the coalescing and the bounds checks cannot drift between backends.
+
+Every input is validated before a plan is returned; every failure raises
+:class:`~kvwire.errors.InvalidTransferError` naming the argument and the first
+offending position and value. The work is vectorised with numpy: runs of
+consecutive pages are found once per destination index set (host / device) and
+broadcast across all buffer pairs, with no Python loop per layer or per page.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvwire.errors import InvalidTransferError
+from kvwire.layout import KVBuffer, KVLayout, MemoryKind
+
+__all__ = ["TransferPlan", "plan_transfer"]
+
+_I64 = np.int64
+_EMPTY_I64: Final[NDArray[np.int64]] = np.zeros(0, dtype=np.int64)
+_EMPTY_I64.setflags(write=False)
+_NO_LIMIT: Final = 1 << 63  # above every int64: only negative ids (seen as uint64) exceed it
+
+
+_max = np.maximum.reduce
+_min = np.minimum.reduce
+
+
+def _frozen(a: NDArray[np.int64]) -> NDArray[np.int64]:
+    a.setflags(write=False)
+    return a
+
+
+@dataclass(frozen=True, eq=False)
+class TransferPlan:
+    """Flat descriptors: copy ``length[i]`` bytes from address ``src[i]`` to address ``dst[i]``.
+
+    The arrays are int64 and read-only. ``descriptors_before`` is how many
+    descriptors there would be if every page of every buffer pair were its own
+    (the coalescing ratio is ``descriptors_before / len(plan)``). Equality is
+    identity (the fields are arrays).
+    """
+
+    src: NDArray[np.int64]
+    dst: NDArray[np.int64]
+    length: NDArray[np.int64]
+    descriptors_before: int
+
+    def __post_init__(self) -> None:
+        n = self.src.shape
+        if self.src.ndim != 1 or self.dst.shape != n or self.length.shape != n:
+            raise InvalidTransferError(
+                f"TransferPlan: src, dst and length must be 1-D of equal length, got shapes "
+                f"{self.src.shape}, {self.dst.shape}, {self.length.shape}"
+            )
+
+    def __len__(self) -> int:
+        """Number of descriptors."""
+        return int(self.src.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes the plan moves."""
+        return int(self.length.sum())
+
+    def chunks(self, max_descriptors: int) -> Iterator[TransferPlan]:
+        """Consecutive slices of at most ``max_descriptors`` descriptors (views, no copies).
+
+        For engines that cap the batch size. An empty plan yields no chunk.
+        Each chunk keeps the whole plan's ``descriptors_before``.
+        """
+        if isinstance(max_descriptors, bool) or not isinstance(max_descriptors, (int, np.integer)):
+            raise InvalidTransferError(
+                f"max_descriptors must be an int, got {type(max_descriptors).__name__} {max_descriptors!r}"
+            )
+        if max_descriptors < 1:
+            raise InvalidTransferError(f"max_descriptors must be >= 1, got {max_descriptors}")
+        step = int(max_descriptors)
+        for start in range(0, len(self), step):
+            stop = start + step
+            yield TransferPlan(
+                self.src[start:stop], self.dst[start:stop], self.length[start:stop], self.descriptors_before
+            )
+
+    @classmethod
+    def empty(cls) -> TransferPlan:
+        """A plan with no descriptors (an empty request is valid)."""
+        return cls(_EMPTY_I64, _EMPTY_I64, _EMPTY_I64, 0)
+
+
+# -- buffer pairing (per layout pair, cached) --------------------------------
+
+
+_Namer = Callable[[int, KVBuffer], str]
+
+
+def _local_name(i: int, buf: KVBuffer) -> str:
+    return f"local buffer {i} (layer {buf.layer}, {buf.role})"
+
+
+def _peer_name(i: int, buf: KVBuffer) -> str:
+    return f"peer buffer {i} (layer {buf.layer}, {buf.role}, {buf.memory})"
+
+
+def _col(values: Sequence[int]) -> NDArray[np.int64]:
+    return _frozen(np.array(values, dtype=_I64).reshape(-1, 1))
+
+
+@dataclass(frozen=True, eq=False)
+class _Group:
+    """The buffer pairs whose target has one memory kind (so one destination index set)."""
+
+    memory: MemoryKind
+    index_name: str  # the argument holding this group's destination page ids
+    pair_pos: NDArray[np.int64]  # positions of these pairs in the global pair order, ascending
+    contiguous: bool  # pair_pos is a contiguous range: write a block, no scatter
+    src_ids: tuple[int, ...]  # local buffer index per pair
+    dst_ids: tuple[int, ...]  # peer buffer index per pair
+    src_base: NDArray[np.int64]  # (P, 1) columns, for broadcasting
+    dst_base: NDArray[np.int64]
+    page_bytes: NDArray[np.int64]  # of the sources (= of the targets, checked)
+    uniform_page_bytes: int  # the common page size, or 0 when they differ
+    src_limit: int  # fewest pages among the sources
+    dst_limit: int  # fewest pages among the targets: every dst id must be below it
+
+    @property
+    def num_pairs(self) -> int:
+        return len(self.src_ids)
+
+
+@dataclass(frozen=True, eq=False)
+class _Pairing:
+    """Everything :func:`plan_transfer` derives from (local, peer, dst_layer_ids) alone."""
+
+    local: KVLayout
+    peer: KVLayout
+    groups: tuple[_Group, ...]  # host group first, then device; empty groups left out
+    pair_group: NDArray[np.int64]  # group number of each pair, in global pair order
+    num_pairs: int
+    src_limit: int  # fewest pages among local buffers: every prefill id must be below it
+    peer_bases: list[int]
+    device_target: int  # a peer buffer index that is a device target, or -1
+    has_host_target: bool
+
+
+def _check_layer_ids(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int]) -> dict[int, int]:
+    if isinstance(dst_layer_ids, (str, bytes)) or not hasattr(dst_layer_ids, "__len__"):
+        raise InvalidTransferError(
+            f"dst_layer_ids must be a sequence of ints or None, got {type(dst_layer_ids).__name__}"
+        )
+    ids = list(dst_layer_ids)
+    if len(ids) != len(local.layers):
+        raise InvalidTransferError(
+            f"dst_layer_ids has {len(ids)} entries, expected {len(local.layers)} "
+            f"(one per local layer {list(local.layers)})"
+        )
+    peer_layers = set(peer.layers)
+    seen: dict[int, int] = {}
+    for i, d in enumerate(ids):
+        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
+            raise InvalidTransferError(f"dst_layer_ids[{i}] = {d!r} must be an int, got {type(d).__name__}")
+        layer = int(d)
+        if layer in seen:
+            raise InvalidTransferError(
+                f"dst_layer_ids[{i}] = {layer} is a duplicate of dst_layer_ids[{seen[layer]}]: "
+                "two local layers cannot land on one peer layer"
+            )
+        seen[layer] = i
+        if layer not in peer_layers:
+            raise InvalidTransferError(
+                f"dst_layer_ids[{i}] = {layer} is not a layer of the peer layout "
+                f"(peer layers: {sorted(peer_layers)})"
+            )
+    return {layer: int(ids[i]) for i, layer in enumerate(local.layers)}
+
+
+def _build_pairing(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int] | None) -> _Pairing:
+    layer_map = None if dst_layer_ids is None else _check_layer_ids(local, peer, dst_layer_ids)
+    targets: dict[tuple[int, str], list[int]] = {}
+    for j, buf in enumerate(peer.buffers):
+        targets.setdefault((buf.layer, buf.role), []).append(j)
+    pairs: list[tuple[int, int]] = []
+    for i, buf in enumerate(local.buffers):
+        layer = buf.layer if layer_map is None else layer_map[buf.layer]
+        found = targets.get((layer, buf.role))
+        if not found:
+            mapped = "" if layer_map is None else f" (mapped by dst_layer_ids from layer {buf.layer})"
+            raise InvalidTransferError(
+                f"{_local_name(i, buf)} has no target: the peer layout has no buffer with layer "
+                f"{layer}{mapped} and role {buf.role!r}"
+            )
+        for j in found:
+            dst = peer.buffers[j]
+            if dst.page_bytes != buf.page_bytes:
+                raise InvalidTransferError(
+                    f"page size mismatch: {_local_name(i, buf)} has {buf.page_bytes} bytes per page, "
+                    f"its target {_peer_name(j, dst)} has {dst.page_bytes}"
+                )
+            pairs.append((i, j))
+    kinds = [peer.buffers[j].memory for _, j in pairs]
+    groups = []
+    for memory in ("host", "device"):
+        pos = [k for k, kind in enumerate(kinds) if kind == memory]
+        if not pos:
+            continue
+        src_ids = tuple(pairs[k][0] for k in pos)
+        dst_ids = tuple(pairs[k][1] for k in pos)
+        srcs = [local.buffers[i] for i in src_ids]
+        dsts = [peer.buffers[j] for j in dst_ids]
+        sizes = {b.page_bytes for b in srcs}
+        groups.append(
+            _Group(
+                memory=memory,
+                index_name="dst_kv_indices" if memory == "host" else "dst_device_kv_indices",
+                pair_pos=_frozen(np.array(pos, dtype=_I64)),
+                contiguous=pos[-1] - pos[0] + 1 == len(pos),
+                src_ids=src_ids,
+                dst_ids=dst_ids,
+                src_base=_col([b.base for b in srcs]),
+                dst_base=_col([b.base for b in dsts]),
+                page_bytes=_col([b.page_bytes for b in srcs]),
+                uniform_page_bytes=sizes.pop() if len(sizes) == 1 else 0,
+                src_limit=min(b.num_pages for b in srcs),
+                dst_limit=min(b.num_pages for b in dsts),
+            )
+        )
+    device_targets = [j for j, kind in zip((j for _, j in pairs), kinds, strict=True) if kind == "device"]
+    return _Pairing(
+        local=local,
+        peer=peer,
+        groups=tuple(groups),
+        pair_group=_frozen(np.array([0 if k == groups[0].memory else 1 for k in kinds], dtype=_I64)),
+        num_pairs=len(pairs),
+        src_limit=min(b.num_pages for b in local.buffers),
+        peer_bases=[b.base for b in peer.buffers],
+        device_target=device_targets[0] if device_targets else -1,
+        has_host_target="host" in kinds,
+    )
+
+
+_CACHE_SIZE: Final = 64
+_cache: dict[tuple[Any, ...], _Pairing] = {}
+_cache_lock = threading.Lock()
+
+
+def _pairing(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int] | None) -> _Pairing:
+    """The pairing of (local, peer, dst_layer_ids), cached by object identity.
+
+    Layouts are immutable and the cache holds them, so an id is never reused
+    while its entry lives. The element types are part of the key so that, say,
+    ``2.0`` is rejected every time rather than hitting the entry made for ``2``.
+    """
+    if dst_layer_ids is None:
+        key: tuple[Any, ...] = (id(local), id(peer))
+    else:
+        try:
+            ids = tuple(dst_layer_ids)
+            key = (id(local), id(peer), ids, tuple(map(type, ids)))
+            hash(key)
+        except TypeError:  # not iterable, or unhashable elements: let validation explain
+            return _build_pairing(local, peer, dst_layer_ids)
+    hit = _cache.get(key)
+    if hit is not None and hit.local is local and hit.peer is peer:
+        return hit
+    pairing = _build_pairing(local, peer, dst_layer_ids)
+    with _cache_lock:
+        while len(_cache) >= _CACHE_SIZE:
+            _cache.pop(next(iter(_cache)), None)
+        _cache[key] = pairing
+    return pairing
+
+
+# -- index validation ---------------------------------------------------------
+
+
+def _as_indices(name: str, value: object) -> NDArray[np.int64]:
+    if not isinstance(value, np.ndarray):
+        raise InvalidTransferError(f"{name} must be a 1-D numpy integer array, got {type(value).__name__}")
+    if value.ndim != 1:
+        raise InvalidTransferError(f"{name} must be a 1-D numpy integer array, got shape {value.shape}")
+    if value.dtype.kind not in "iu" or not np.can_cast(value.dtype, _I64):
+        raise InvalidTransferError(f"{name} must have an integer dtype (int32 or int64), got {value.dtype}")
+    return np.asarray(value, dtype=_I64)
+
+
+def _check_range(
+    name: str, idx: NDArray[np.int64], limit: int, *, layout: KVLayout, ids: Iterable[int], describe: _Namer
+) -> None:
+    """Every id in [0, limit); on failure name the first offender and a buffer (of ``ids``) it overflows."""
+    if _max(idx.view(np.uint64)) < limit:  # negatives wrap to >= 2**63
+        return
+    j = int(np.flatnonzero((idx < 0) | (idx >= limit))[0])
+    v = int(idx[j])
+    if v < 0:
+        raise InvalidTransferError(f"{name}[{j}] = {v} is negative: page ids must be >= 0")
+    i = next(i for i in ids if v >= layout.buffers[i].num_pages)
+    buf = layout.buffers[i]
+    raise InvalidTransferError(
+        f"{name}[{j}] = {v} is out of range: {describe(i, buf)} has {buf.num_pages} pages"
+    )
+
+
+def _check_ptrs(pairing: _Pairing, dst_kv_ptrs: Sequence[int]) -> None:
+    peer = pairing.peer
+    try:
+        count = len(dst_kv_ptrs)
+    except TypeError:
+        raise InvalidTransferError(
+            f"dst_kv_ptrs must be a sequence of ints, got {type(dst_kv_ptrs).__name__}"
+        ) from None
+    if count != len(peer.buffers):
+        raise InvalidTransferError(
+            f"dst_kv_ptrs has {count} entries, expected {len(peer.buffers)} (one per peer buffer)"
+        )
+    ptrs = list(dst_kv_ptrs)
+    types = set(map(type, ptrs))
+    if ptrs == pairing.peer_bases and all(t is int or issubclass(t, np.integer) for t in types):
+        return
+    for i, (p, base) in enumerate(zip(ptrs, pairing.peer_bases, strict=True)):
+        if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, np.integer)):
+            raise InvalidTransferError(f"dst_kv_ptrs[{i}] = {p!r} must be an int, got {type(p).__name__}")
+        if int(p) != base:
+            raise InvalidTransferError(
+                f"dst_kv_ptrs[{i}] = {int(p)} does not match the peer layout: "
+                f"{_peer_name(i, peer.buffers[i])} has base {base}"
+            )
+
+
+# -- planning -----------------------------------------------------------------
+
+
+_Runs = tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]
+
+
+def _runs(src: NDArray[np.int64], dst: NDArray[np.int64], coalesce: bool) -> _Runs:
+    """(first source page, first destination page, page count) of each run.
+
+    A run is a maximal stretch where both the source and the destination page
+    ids go up by exactly one from each entry to the next.
+    """
+    n = src.shape[0]
+    if not coalesce or n < 2:
+        return src, dst, np.ones(n, dtype=_I64)
+    step = np.subtract(src[1:], src[:-1])
+    starts_mask = np.empty(n, dtype=np.bool_)
+    starts_mask[0] = True
+    brk = starts_mask[1:]
+    np.not_equal(step, 1, out=brk)
+    np.subtract(dst[1:], dst[:-1], out=step)
+    brk |= step != 1
+    starts = np.flatnonzero(starts_mask)
+    counts = np.empty_like(starts)
+    np.subtract(starts[1:], starts[:-1], out=counts[:-1])
+    counts[-1] = n - starts[-1]
+    return src[starts], dst[starts], counts
+
+
+def _fill(
+    g: _Group,
+    runs: _Runs,
+    *,
+    src: NDArray[np.int64],
+    dst: NDArray[np.int64],
+    length: NDArray[np.int64],
+) -> None:
+    """Write the (pairs, runs) descriptor matrices of group ``g`` into ``src``/``dst``/``length``."""
+    run_src, run_dst, run_len = runs
+    pb = g.uniform_page_bytes
+    if pb:
+        np.add(g.src_base, run_src * pb, out=src)
+        np.add(g.dst_base, run_dst * pb, out=dst)
+        length[...] = run_len * pb
+    else:
+        np.multiply(g.page_bytes, run_src, out=src)
+        src += g.src_base
+        np.multiply(g.page_bytes, run_dst, out=dst)
+        dst += g.dst_base
+        np.multiply(g.page_bytes, run_len, out=length)
+
+
+def _safety_net(pairing: _Pairing, g: _Group, runs: _Runs) -> None:
+    """Last line of defence: no descriptor of group ``g`` leaves its source or target buffer.
+
+    The descriptor of pair ``p`` and run ``k`` covers bytes ``base_p + [page_k, page_k + len_k) *
+    page_bytes_p``, so it lies inside buffer ``p`` exactly when ``0 <= page_k`` and ``page_k + len_k
+    <= num_pages_p``. Checking the runs against the smallest buffer of the group covers every
+    descriptor of every pair at O(runs) cost (checking the (pairs x runs) output would cost more
+    than planning it).
+    """
+    run_src, run_dst, run_len = runs
+    checks = (
+        ("source", run_src, g.src_limit, g.src_ids, pairing.local, _local_name),
+        ("target", run_dst, g.dst_limit, g.dst_ids, pairing.peer, _peer_name),
+    )
+    for side, first, limit, ids, layout, name in checks:
+        stop = first + run_len
+        if _min(first) >= 0 and _max(stop) <= limit:
+            continue
+        k = int(np.flatnonzero((first < 0) | (stop > limit))[0])
+        lo, hi = int(first[k]), int(stop[k])
+        b = next(b for b in ids if lo < 0 or hi > layout.buffers[b].num_pages)
+        buf = layout.buffers[b]
+        raise InvalidTransferError(
+            f"internal planning error: run {k} covers pages [{lo}, {hi}), outside its {side} "
+            f"{name(b, buf)} of {buf.num_pages} pages; no plan was returned"
+        )
+
+
+def plan_transfer(  # noqa: PLR0917 -- positional order follows send_kvcache (sglang)
+    local: KVLayout,
+    peer: KVLayout,
+    prefill_kv_indices: NDArray[np.integer[Any]],
+    dst_kv_ptrs: Sequence[int],
+    dst_kv_indices: NDArray[np.integer[Any]],
+    dst_layer_ids: Sequence[int] | None = None,
+    dst_device_kv_indices: NDArray[np.integer[Any]] | None = None,
+    *,
+    coalesce: bool = True,
+) -> TransferPlan:
+    """Plan the copy of pages ``prefill_kv_indices`` of ``local`` into ``peer``.
+
+    Local buffer ``b`` (layer ``L``, role ``r``) goes to every peer buffer of
+    layer ``D`` and role ``r``, where ``D = L``, or ``dst_layer_ids[i]`` when
+    given, ``i`` being the position of ``L`` in ``local.layers`` (a pipeline
+    stage holding some layers maps them onto the peer's global layer ids).
+    Source page ``j`` is ``prefill_kv_indices[j]``; in a peer host buffer it
+    lands on page ``dst_kv_indices[j]``, in a peer device buffer on page
+    ``dst_device_kv_indices[j]`` (HiSparse: independent page ids; the argument
+    is required exactly when some target is a device buffer). ``dst_kv_ptrs``
+    are the peer's buffer bases in ``peer.buffers`` order, checked against it.
+
+    With ``coalesce``, pages where both the source and the destination ids go
+    up by one are merged into one descriptor. Descriptors are ordered by buffer
+    pair (local buffers in layout order; a local buffer's targets in peer
+    layout order), then by position in the request.
+
+    Raises :class:`InvalidTransferError` (before anything is returned) naming
+    the argument and the first offending position and value.
+    """
+    pairing = _pairing(local, peer, dst_layer_ids)
+    _check_ptrs(pairing, dst_kv_ptrs)
+    src_pages = _as_indices("prefill_kv_indices", prefill_kv_indices)
+    host_pages = _as_indices("dst_kv_indices", dst_kv_indices)
+    device_pages: NDArray[np.int64] | None = None
+    if dst_device_kv_indices is not None:
+        if pairing.device_target < 0:
+            raise InvalidTransferError(
+                "dst_device_kv_indices was given, but no target buffer in the peer layout is a device "
+                "buffer: pass None (only HiSparse-style peers with device buffers take device page ids)"
+            )
+        device_pages = _as_indices("dst_device_kv_indices", dst_device_kv_indices)
+    elif pairing.device_target >= 0:
+        j = pairing.device_target
+        raise InvalidTransferError(
+            f"dst_device_kv_indices is None, but {_peer_name(j, peer.buffers[j])} is a target: "
+            "device buffers take their page ids from dst_device_kv_indices"
+        )
+    n = src_pages.shape[0]
+    for name, pages in (("dst_kv_indices", host_pages), ("dst_device_kv_indices", device_pages)):
+        if pages is not None and pages.shape[0] != n:
+            raise InvalidTransferError(
+                f"{name} has {pages.shape[0]} entries but prefill_kv_indices has {n}: they must be equal"
+            )
+    if n == 0:
+        return TransferPlan.empty()
+
+    _check_range(
+        "prefill_kv_indices", src_pages, pairing.src_limit,
+        layout=local, ids=range(len(local.buffers)), describe=_local_name,
+    )
+    if not pairing.has_host_target:  # dst_kv_indices addresses nothing, but negative ids are still wrong
+        _check_range("dst_kv_indices", host_pages, _NO_LIMIT, layout=peer, ids=(), describe=_peer_name)
+    planned: list[tuple[_Group, _Runs]] = []
+    for g in pairing.groups:  # at most two: host, device
+        pages = host_pages if g.memory == "host" else device_pages
+        assert pages is not None  # guaranteed by the device check above
+        _check_range(g.index_name, pages, g.dst_limit, layout=peer, ids=g.dst_ids, describe=_peer_name)
+        runs = _runs(src_pages, pages, coalesce)
+        _safety_net(pairing, g, runs)
+        planned.append((g, runs))
+    return _assemble(pairing, planned, n * pairing.num_pairs)
+
+
+def _assemble(pairing: _Pairing, planned: list[tuple[_Group, _Runs]], descriptors_before: int) -> TransferPlan:
+    """Broadcast each group's runs over its buffer pairs into pair-major flat arrays."""
+    if len(planned) == 1:
+        g, runs = planned[0]
+        shape = (g.num_pairs, runs[0].shape[0])
+        src, dst, length = np.empty(shape, _I64), np.empty(shape, _I64), np.empty(shape, _I64)
+        _fill(g, runs, src=src, dst=dst, length=length)
+        return TransferPlan(
+            _frozen(src.reshape(-1)), _frozen(dst.reshape(-1)), _frozen(length.reshape(-1)), descriptors_before
+        )
+    counts = np.array([runs[0].shape[0] for _, runs in planned], dtype=_I64)
+    per_pair = counts[pairing.pair_group]  # rows of each pair, in output order
+    row_start = np.cumsum(per_pair) - per_pair
+    total = int(per_pair.sum())
+    flat_src, flat_dst, flat_len = np.empty(total, _I64), np.empty(total, _I64), np.empty(total, _I64)
+    for g, runs in planned:
+        r = runs[0].shape[0]
+        shape = (g.num_pairs, r)
+        if g.contiguous:  # the group's pairs are adjacent in the output: write in place
+            start = int(row_start[g.pair_pos[0]])
+            stop = start + g.num_pairs * r
+            _fill(
+                g, runs, src=flat_src[start:stop].reshape(shape), dst=flat_dst[start:stop].reshape(shape),
+                length=flat_len[start:stop].reshape(shape),
+            )
+        else:  # interleaved with the other group's pairs: scatter
+            src, dst, length = np.empty(shape, _I64), np.empty(shape, _I64), np.empty(shape, _I64)
+            _fill(g, runs, src=src, dst=dst, length=length)
+            pos = row_start[g.pair_pos][:, None] + np.arange(r, dtype=_I64)
+            flat_src[pos], flat_dst[pos], flat_len[pos] = src, dst, length
+    return TransferPlan(_frozen(flat_src), _frozen(flat_dst), _frozen(flat_len), descriptors_before)

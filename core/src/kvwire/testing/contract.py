@@ -1,0 +1,159 @@
+"""The contract suite. Every test takes the ``kvwire_harness`` fixture (see pytest_plugin).
+
+Import it into a backend's own tests with ``from kvwire.testing.contract import *``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvwire.errors import InvalidTransferError, UnsupportedFeatureError
+from kvwire.testing.harness import ContractHarness, Pair, fragmented_pages
+from kvwire.testing.receiver import LayoutSpec
+
+__all__ = [
+    "kvwire_invalid_pair",
+    "test_contract_empty_request",
+    "test_contract_invalid_input_leaves_destination_unchanged",
+    "test_contract_layer_mapping",
+    "test_contract_round_trip",
+    "test_contract_signature",
+    "test_contract_split_destinations",
+]
+
+SHAPES = {
+    "mha-odd-page": (LayoutSpec("mha", (0, 1, 2), 64, 1000), LayoutSpec("mha", (0, 1, 2), 96, 1000), 40),
+    "mla-odd-page": (LayoutSpec("mla", (0, 1, 2, 3), 48, 1152), LayoutSpec("mla", (0, 1, 2, 3), 48, 1152), 48),
+    "mha-one-page": (LayoutSpec("mha", (0,), 8, 4104), LayoutSpec("mha", (0,), 8, 4104), 1),
+    "mha-large-pages": (LayoutSpec("mha", (0, 1), 32, 65536), LayoutSpec("mha", (0, 1), 40, 65536), 24),
+}
+
+
+def _needs(harness: ContractHarness, *features: str) -> None:
+    lacking = [f for f in features if f not in harness.capabilities]
+    if lacking:
+        pytest.skip(f"backend {harness.backend!r} does not declare {lacking}")
+
+
+def test_contract_signature(kvwire_harness: ContractHarness) -> None:
+    """The backend validates against the spec with no finding."""
+    info = kvwire_harness.info
+    assert info.status in ("ok", "adapted"), info.reason()
+    assert info.findings == ()
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("seed", [1, 2])
+def test_contract_round_trip(kvwire_harness: ContractHarness, shape: str, seed: int) -> None:
+    """Random fragmented pages of random data land exactly where they should, and nowhere else."""
+    local_spec, peer_spec, count = SHAPES[shape]
+    _needs(kvwire_harness, local_spec.attention)
+    rng = np.random.default_rng(seed)
+    prefill = fragmented_pages(rng, local_spec.num_pages, count)
+    dst = fragmented_pages(rng, peer_spec.num_pages, count)
+    with kvwire_harness.pair(local_spec, peer_spec, seed) as pair:
+        moved = pair.send(prefill, dst)
+        assert moved == count * local_spec.page_bytes * len(local_spec.entries())
+        assert pair.receiver.hashes() == pair.expected_hashes(prefill, dst)
+
+
+def test_contract_empty_request(kvwire_harness: ContractHarness) -> None:
+    local_spec, peer_spec, _ = SHAPES["mha-odd-page"]
+    empty = np.array([], np.int32)
+    with kvwire_harness.pair(local_spec, peer_spec, 3) as pair:
+        assert pair.send(empty, empty) == 0
+        assert pair.receiver.hashes() == pair.untouched_hashes()
+
+
+def test_contract_layer_mapping(kvwire_harness: ContractHarness) -> None:
+    """A pipeline stage holding layers 0-1 writes into the decode side's global layers 2-3."""
+    local_spec = LayoutSpec("mha", (0, 1), 32, 2048)
+    peer_spec = LayoutSpec("mha", (0, 1, 2, 3), 32, 2048)
+    rng = np.random.default_rng(4)
+    prefill, dst = fragmented_pages(rng, 32, 12), fragmented_pages(rng, 32, 12)
+    with kvwire_harness.pair(local_spec, peer_spec, 4) as pair:
+        if "layer_ids" not in kvwire_harness.capabilities:
+            with pytest.raises(UnsupportedFeatureError):
+                pair.send(prefill, dst, [2, 3])
+            assert pair.receiver.hashes() == pair.untouched_hashes()
+            return
+        pair.send(prefill, dst, [2, 3])
+        assert pair.receiver.hashes() == pair.expected_hashes(prefill, dst, [2, 3])
+
+
+def test_contract_split_destinations(kvwire_harness: ContractHarness) -> None:
+    """Host buffers take dst_kv_indices, device buffers dst_device_kv_indices (independent ids)."""
+    local_spec = LayoutSpec("mla", (0, 1, 2), 24, 1152)
+    peer_spec = LayoutSpec("mla", (0,), 64, 1152, device_layers=(1, 2))
+    rng = np.random.default_rng(5)
+    prefill = fragmented_pages(rng, 24, 10)
+    host, device = fragmented_pages(rng, 64, 10), fragmented_pages(rng, 64, 10)
+    peer_spec = LayoutSpec("mla", (0,), 64, 1152, device_layers=(1, 2))
+    if "device_memory" not in kvwire_harness.capabilities:
+        pytest.skip(f"backend {kvwire_harness.backend!r} does not declare 'device_memory'")
+    with kvwire_harness.pair(local_spec, peer_spec, 5) as pair:
+        if "device_kv_indices" not in kvwire_harness.capabilities:
+            with pytest.raises(UnsupportedFeatureError, match="device_kv_indices"):
+                pair.send(prefill, host, None, device)
+            assert pair.receiver.hashes() == pair.untouched_hashes()
+            return
+        pair.send(prefill, host, None, device)
+        assert pair.receiver.hashes() == pair.expected_hashes(prefill, host, None, device)
+
+
+def _i32(*values: int) -> Any:
+    return np.array(values, np.int32)
+
+
+INVALID: dict[str, tuple[Callable[[Pair], dict[str, Any]], str]] = {
+    "src-page-out-of-range": (lambda p: {"prefill": _i32(1, 64), "dst_pages": _i32(1, 2)}, "prefill_kv_indices"),
+    "dst-page-out-of-range": (lambda p: {"prefill": _i32(1, 2), "dst_pages": _i32(3, 96)}, "dst_kv_indices"),
+    "negative-index": (lambda p: {"prefill": _i32(-1, 2), "dst_pages": _i32(1, 2)}, "prefill_kv_indices"),
+    "length-mismatch": (lambda p: {"prefill": _i32(1, 2, 3), "dst_pages": _i32(1, 2)}, "dst_kv_indices"),
+    "float-indices": (lambda p: {"prefill": np.array([1.0, 2.0]), "dst_pages": _i32(1, 2)}, "prefill_kv_indices"),
+    "two-dimensional": (lambda p: {"prefill": np.array([[1, 2]], np.int32), "dst_pages": _i32(1, 2)},
+                        "prefill_kv_indices"),
+    "list-not-array": (lambda p: {"prefill": [1, 2], "dst_pages": _i32(1, 2)}, "prefill_kv_indices"),
+    "ptr-count": (lambda p: {"prefill": _i32(1), "dst_pages": _i32(1), "dst_kv_ptrs": p.dst_kv_ptrs[:-1]},
+                  "dst_kv_ptrs"),
+    "ptr-value": (lambda p: {"prefill": _i32(1), "dst_pages": _i32(1),
+                             "dst_kv_ptrs": [p.dst_kv_ptrs[0] + 4096, *p.dst_kv_ptrs[1:]]}, "dst_kv_ptrs"),
+    "layer-ids-duplicate": (lambda p: {"prefill": _i32(1), "dst_pages": _i32(1), "dst_layer_ids": [0, 0, 1]},
+                            "dst_layer_ids"),
+    "layer-ids-unknown": (lambda p: {"prefill": _i32(1), "dst_pages": _i32(1), "dst_layer_ids": [0, 1, 9]},
+                          "dst_layer_ids"),
+    "device-indices-without-device-buffers": (
+        lambda p: {"prefill": _i32(1), "dst_pages": _i32(1), "dst_device_pages": _i32(1)}, "dst_device_kv_indices"),
+}
+
+
+@pytest.fixture(scope="module")
+def kvwire_invalid_pair(kvwire_harness: ContractHarness) -> Iterator[Pair]:
+    local_spec, peer_spec, _ = SHAPES["mha-odd-page"]  # local: 64 pages, peer: 96 pages, layers 0-2
+    with kvwire_harness.pair(local_spec, peer_spec, 6) as pair:
+        yield pair
+
+
+@pytest.mark.parametrize("case", list(INVALID))
+def test_contract_invalid_input_leaves_destination_unchanged(
+    kvwire_harness: ContractHarness, kvwire_invalid_pair: Pair, case: str
+) -> None:
+    """Bad input raises a typed error naming the argument; the destination is unchanged."""
+    make, argument = INVALID[case]
+    args = make(kvwire_invalid_pair)
+    feature = {"dst_layer_ids": "layer_ids", "dst_device_pages": "device_kv_indices"}
+    expected: type[Exception] = InvalidTransferError
+    for key, name in feature.items():
+        if key in args and name not in kvwire_harness.capabilities:
+            expected, argument = UnsupportedFeatureError, name
+    ptrs = args.pop("dst_kv_ptrs", kvwire_invalid_pair.dst_kv_ptrs)
+    with pytest.raises(expected, match=argument):
+        kvwire_invalid_pair.connection.send_kvcache(
+            kvwire_invalid_pair.receiver.endpoint, args["prefill"], ptrs, args["dst_pages"], None,
+            args.get("dst_layer_ids"), args.get("dst_device_pages"),
+        )
+    assert kvwire_invalid_pair.receiver.hashes() == kvwire_invalid_pair.untouched_hashes()

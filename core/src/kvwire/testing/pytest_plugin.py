@@ -1,0 +1,42 @@
+"""pytest plugin (entry point ``pytest11: kvwire``): ``--kvwire-backend NAME`` runs the contract suite."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvwire.testing.harness import ContractHarness
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kvwire", "kvwire backend contract test kit")
+    group.addoption("--kvwire-backend", default=None, metavar="NAME",
+                    help="run the kvwire contract suite against the installed backend NAME")
+    group.addoption("--kvwire-two-process", action="store_true", default=False,
+                    help="run the receiving endpoint in a separate process (needed by real transports)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--kvwire-backend"):
+        config.args.append(str(Path(__file__).with_name("contract.py")))
+
+
+@pytest.fixture(scope="session")
+def kvwire_backend_name(request: pytest.FixtureRequest) -> str:
+    """The backend under test; override this fixture to run the suite from your own tests."""
+    name = request.config.getoption("--kvwire-backend")
+    if not name:
+        pytest.skip("no backend given: pass --kvwire-backend NAME or override the kvwire_backend_name fixture")
+    return str(name)
+
+
+@pytest.fixture(scope="session")
+def kvwire_two_process(request: pytest.FixtureRequest) -> bool:
+    """Whether receivers run in their own process; override to force it."""
+    return bool(request.config.getoption("--kvwire-two-process"))
+
+
+@pytest.fixture(scope="session")
+def kvwire_harness(kvwire_backend_name: str, kvwire_two_process: bool) -> ContractHarness:
+    return ContractHarness(kvwire_backend_name, two_process=kvwire_two_process)
