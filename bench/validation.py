@@ -56,7 +56,9 @@ def main() -> None:
         except Exception as exc:
             rows.append({"backend": ep.name, "error": repr(exc)})
             continue
-        origin = PluginOrigin(ep.name, ep.dist.name if ep.dist else None, ep.dist.version if ep.dist else None, ep.value)
+        origin = PluginOrigin(
+            ep.name, ep.dist.name if ep.dist else None, ep.dist.version if ep.dist else None, ep.value
+        )
         kvwire.validate_backend(cls, origin)  # warm caches of the spec itself
         validate_us = _median_us(lambda cls=cls, origin=origin: kvwire.validate_backend(cls, origin), args.repeat)
 
@@ -66,10 +68,20 @@ def main() -> None:
             pm.register(object.__new__(cls))
 
         register_us = _median_us(pluggy_register, args.repeat)
-        rows.append({"backend": ep.name, "validate_us": round(validate_us, 1), "pluggy_register_us": round(register_us, 1),
-                     "ratio": round(validate_us / register_us, 2)})
+        rows.append(
+            {
+                "backend": ep.name,
+                "validate_us": round(validate_us, 1),
+                "pluggy_register_us": round(register_us, 1),
+                "ratio": round(validate_us / register_us, 2),
+            }
+        )
 
-    result = {"check_wall_s_median": round(statistics.median(walls), 3), "python_startup_s": round(bare, 3), "rows": rows}
+    result = {
+        "check_wall_s_median": round(statistics.median(walls), 3),
+        "python_startup_s": round(bare, 3),
+        "rows": rows,
+    }
     if args.json:
         print(json.dumps(result, indent=2))
         return

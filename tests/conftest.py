@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "core"))
 
-import plugin_wheels  # noqa: E402
+import plugin_wheels
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-HEADER = '''\
+HEADER = """\
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -26,9 +26,9 @@ from numpy.typing import NDArray
 import kvwire
 from kvwire import BackendConfig, KVLayout
 
-'''
+"""
 
-GOOD_SEND = '''\
+GOOD_SEND = """\
     @kvwire.hookimpl
     def send_kvcache(
         self,
@@ -41,7 +41,7 @@ GOOD_SEND = '''\
         dst_device_kv_indices: NDArray[np.int32] | None = None,
     ) -> int:
         return 0
-'''
+"""
 
 
 def backend_source(
@@ -98,37 +98,56 @@ VARIANTS: dict[str, tuple[str, str]] = {
     ),
     "missing-parameter": (
         "missing_parameter",
-        backend_source(send=_send(_P5 + "dst_layer_ids: Optional[Sequence[int]] = None,"),
-                       capabilities='frozenset({"layer_ids"})'),
+        backend_source(
+            send=_send(_P5 + "dst_layer_ids: Optional[Sequence[int]] = None,"), capabilities='frozenset({"layer_ids"})'
+        ),
     ),
     "unknown-parameter": (
         "unknown_parameter",
-        backend_source(send=_send(_P5 + "dst_layer_ids: Optional[Sequence[int]] = None,\n"
-                                  "dst_device_indices: NDArray[np.int32] | None = None,")),
+        backend_source(
+            send=_send(
+                _P5 + "dst_layer_ids: Optional[Sequence[int]] = None,\n"
+                "dst_device_indices: NDArray[np.int32] | None = None,"
+            )
+        ),
     ),
     "parameter-order": (
         "parameter_order",
-        backend_source(send=_send(
-            "session_id: str,\nprefill_kv_indices: NDArray[np.int32],\ndst_kv_indices: NDArray[np.int32],\n"
-            "dst_kv_ptrs: Sequence[int],\nexecutor: Optional[Executor],\n"
-            "dst_layer_ids: Optional[Sequence[int]] = None,\ndst_device_kv_indices: NDArray[np.int32] | None = None,"
-        )),
+        backend_source(
+            send=_send(
+                "session_id: str,\nprefill_kv_indices: NDArray[np.int32],\ndst_kv_indices: NDArray[np.int32],\n"
+                "dst_kv_ptrs: Sequence[int],\nexecutor: Optional[Executor],\n"
+                "dst_layer_ids: Optional[Sequence[int]] = None,\n"
+                "dst_device_kv_indices: NDArray[np.int32] | None = None,"
+            )
+        ),
     ),
     "parameter-kind": (
         "parameter_kind",
-        backend_source(send=_send(_P5 + "*,\ndst_layer_ids: Optional[Sequence[int]] = None,\n"
-                                  "dst_device_kv_indices: NDArray[np.int32] | None = None,")),
+        backend_source(
+            send=_send(
+                _P5 + "*,\ndst_layer_ids: Optional[Sequence[int]] = None,\n"
+                "dst_device_kv_indices: NDArray[np.int32] | None = None,"
+            )
+        ),
     ),
     "default-mismatch": (
         "default_mismatch",
-        backend_source(send=_send(_P5 + "dst_layer_ids: Optional[Sequence[int]] = (),\n"
-                                  "dst_device_kv_indices: NDArray[np.int32] | None = None,")),
+        backend_source(
+            send=_send(
+                _P5 + "dst_layer_ids: Optional[Sequence[int]] = (),\n"
+                "dst_device_kv_indices: NDArray[np.int32] | None = None,"
+            )
+        ),
     ),
     "annotation-mismatch": (
         "annotation_mismatch",
-        backend_source(send=_send(_P5.replace("session_id: str", "session_id: bytes")
-                                  + "dst_layer_ids: Optional[Sequence[int]] = None,\n"
-                                  "dst_device_kv_indices: NDArray[np.int64] | None = None,")),
+        backend_source(
+            send=_send(
+                _P5.replace("session_id: str", "session_id: bytes") + "dst_layer_ids: Optional[Sequence[int]] = None,\n"
+                "dst_device_kv_indices: NDArray[np.int64] | None = None,"
+            )
+        ),
     ),
     "var-args": (
         "var_args",

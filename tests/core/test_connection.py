@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from backends_for_tests import Recorder, Recorder11, ReturnsStatus
 
 import kvwire
 from kvwire import KVBuffer, KVLayout
+
+from backends_for_tests import Recorder, Recorder11, ReturnsStatus
 
 
 @pytest.fixture
@@ -108,7 +109,7 @@ def test_runtime_registration_validates(registry: kvwire.Registry) -> None:
 
 
 def test_duplicate_runtime_name(registry: kvwire.Registry) -> None:
-    with pytest.raises(kvwire.DuplicateBackendError, match="backend name 'local' is already taken by kvwire"):
+    with pytest.raises(kvwire.DuplicateBackendError, match=r"backend name 'local' is already taken by kvwire"):
         registry.register("local", Recorder)
 
 
@@ -125,7 +126,7 @@ def test_bad_arguments_are_typed_errors() -> None:
         kvwire.Registry(policy="lenient")  # type: ignore[arg-type]
     with pytest.raises(kvwire.ConfigError, match="allow must be a collection"):
         kvwire.Registry(allow="local")
-    with pytest.raises(kvwire.ConfigError, match="BackendConfig.timeout_s must be finite and > 0, got 0"):
+    with pytest.raises(kvwire.ConfigError, match=r"BackendConfig\.timeout_s must be finite and > 0, got 0"):
         kvwire.BackendConfig(timeout_s=0)
     with pytest.raises(kvwire.ConfigError, match=r"max_descriptors_per_call must be in \[1, 2048\], got 4096"):
         kvwire.BackendConfig(max_descriptors_per_call=4096)

@@ -18,9 +18,22 @@ def kvwire_backend_name() -> str:
 
 def test_kit_runs_from_the_command_line(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--kvwire-backend", "local",
-         "--rootdir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--kvwire-backend",
+            "local",
+            "--rootdir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "24 passed" in proc.stdout

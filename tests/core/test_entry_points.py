@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+
 from conftest import RunPy, check_json
 
 pytestmark = pytest.mark.slow
@@ -48,7 +49,9 @@ def test_ascend_case_message_names_everything(run_with_plugins: RunPy) -> None:
     assert finding["message"] == (
         "parameter `dst_device_kv_indices` added in spec 1.2 is missing (the caller's value would be dropped)"
     )
-    assert finding["fix"].startswith("add `dst_device_kv_indices: NDArray[np.int32] | None = None` after `dst_layer_ids`")
+    assert finding["fix"].startswith(
+        "add `dst_device_kv_indices: NDArray[np.int32] | None = None` after `dst_layer_ids`"
+    )
     assert "dst_device_kv_indices: NDArray[np.int32] | None = None" in finding["spec_signature"]
     assert "dst_device_kv_indices" not in finding["impl_signature"]
     proc = run_with_plugins("-m", "kvwire", "check")
@@ -61,15 +64,23 @@ def test_ascend_case_message_names_everything(run_with_plugins: RunPy) -> None:
 @pytest.mark.parametrize(
     ("name", "fragment"),
     [
-        ("unknown_parameter", "parameter `dst_device_indices` is not in the spec; did you mean `dst_device_kv_indices`?"),
+        (
+            "unknown_parameter",
+            "parameter `dst_device_indices` is not in the spec; did you mean `dst_device_kv_indices`?",
+        ),
         ("parameter_order", "parameters are in the order (session_id, prefill_kv_indices, dst_kv_indices, dst_kv_ptrs"),
         ("parameter_kind", "parameter `dst_layer_ids` is keyword-only, the spec's is positional-or-keyword"),
         ("default_mismatch", "parameter `dst_layer_ids` has default (), the spec's has default None"),
-        ("annotation_mismatch", "parameter `dst_device_kv_indices` is annotated `NDArray[np.int64] | None`, "
-                                "spec says `NDArray[np.int32] | None`"),
+        (
+            "annotation_mismatch",
+            "parameter `dst_device_kv_indices` is annotated `NDArray[np.int64] | None`, "
+            "spec says `NDArray[np.int32] | None`",
+        ),
         ("var_args", "`**kwargs` would swallow arguments"),
-        ("unknown_hook", "`send_kv_cache` is marked @kvwire.hookimpl but the spec has no such hook; "
-                         "did you mean `send_kvcache`?"),
+        (
+            "unknown_hook",
+            "`send_kv_cache` is marked @kvwire.hookimpl but the spec has no such hook; did you mean `send_kvcache`?",
+        ),
         ("missing_hook", "required hook `close` is not implemented"),
         ("spec_version", "spec_version 2.0 is of major version 2; this kvwire implements 1.2"),
         ("constructor", "the constructor must take exactly one parameter, `config: kvwire.BackendConfig`"),
@@ -141,7 +152,7 @@ def test_strict_policy_reports_all_drift_together(run_with_plugins: RunPy) -> No
     proc = run_with_plugins("-c", POLICY_SCRIPT.format(policy="strict"))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("DRIFT ")
-    assert set(EXPECTED_RULE) <= set(eval(proc.stdout[len("DRIFT "):]))
+    assert set(EXPECTED_RULE) <= set(eval(proc.stdout[len("DRIFT ") :]))
 
 
 def test_quarantine_policy_keeps_the_rest_usable(run_with_plugins: RunPy) -> None:
@@ -161,9 +172,9 @@ def test_quarantine_policy_keeps_the_rest_usable(run_with_plugins: RunPy) -> Non
 
 def test_connect_to_missing_backend_lists_available(run_with_plugins: RunPy) -> None:
     script = (
-        "import kvwire\n"
-        "try:\n    kvwire.connect('nope')\n"
-        "except kvwire.BackendNotAvailableError as e:\n    print(e)\n"
+        "import kvwire\ntry:\n    kvwire.connect('nope')\nexcept kvwire.BackendNotAvailableError as e:\n    print(e)\n"
     )
     proc = run_with_plugins("-c", script, env={"KVWIRE_BACKENDS": "ok,local,nope"})
-    assert proc.stdout.startswith("backend 'nope' is not installed. Available: local (kvwire 0.1.0), ok (kvtest-ok 0.3.0).")
+    assert proc.stdout.startswith(
+        "backend 'nope' is not installed. Available: local (kvwire 0.1.0), ok (kvtest-ok 0.3.0)."
+    )

@@ -7,12 +7,13 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from backends_for_tests import Recorder, Recorder11
 from numpy.typing import NDArray
 
 import kvwire
 from kvwire.annotations import annotation_key
 from kvwire.findings import PluginOrigin
+
+from backends_for_tests import Recorder, Recorder11
 
 ORIGIN = PluginOrigin("t", "kvtest", "1.0", "mod:Cls")
 
@@ -22,7 +23,7 @@ ORIGIN = PluginOrigin("t", "kvtest", "1.0", "mod:Cls")
     [
         (typing.Optional[int], int | None),  # noqa: UP045
         (typing.Union[None, str], str | None),  # noqa: UP007
-        (typing.Sequence[int], Sequence[int]),  # noqa: UP006
+        (typing.Sequence[int], Sequence[int]),
         (typing.List[int], list[int]),  # noqa: UP006
         (typing.Optional[NDArray[np.int32]], NDArray[np.int32] | None),  # noqa: UP045
     ],
@@ -51,10 +52,7 @@ def test_inferred_version_and_explicit_adapted() -> None:
 def test_unresolvable_string_annotation() -> None:
     namespace: dict[str, object] = {}
     exec(
-        "import kvwire\n"
-        "class B:\n"
-        "    @kvwire.hookimpl\n"
-        "    def endpoint(self) -> 'Missing': ...\n",
+        "import kvwire\nclass B:\n    @kvwire.hookimpl\n    def endpoint(self) -> 'Missing': ...\n",
         namespace,
     )
 

@@ -15,8 +15,14 @@ __all__ = ["main"]
 def _check_table(infos: Sequence[BackendInfo]) -> str:
     headers = ("backend", "distribution", "version", "spec", "status", "capabilities")
     rows = [
-        (i.name, i.distribution or "(runtime)", i.version or "-", i.spec_version or "-", i.status,
-         ",".join(sorted(i.capabilities)) or "-")
+        (
+            i.name,
+            i.distribution or "(runtime)",
+            i.version or "-",
+            i.spec_version or "-",
+            i.status,
+            ",".join(sorted(i.capabilities)) or "-",
+        )
         for i in infos
     ]
     widths = [max(len(h), *(len(r[c]) for r in rows)) if rows else len(h) for c, h in enumerate(headers)]
@@ -58,6 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--strict", action="store_true", help="fail on 'adapted' backends too")
     check.add_argument("--backends", default=None, help="comma-separated allow-list (default: $KVWIRE_BACKENDS)")
     check.set_defaults(func=_cmd_check)
+    bench = sub.add_parser("bench", help="move a realistic KV cache between a prefill and a decode process")
+    from kvwire.benchmark.run import add_arguments, run
+
+    add_arguments(bench)
+    bench.set_defaults(func=run)
     return parser
 
 

@@ -65,9 +65,7 @@ class BackendConfig:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"BackendConfig.{name} must be an int, got {value!r}")
             if not 1 <= value <= _MAX_DESCRIPTORS_LIMIT:
-                raise ConfigError(
-                    f"BackendConfig.{name} must be in [1, {_MAX_DESCRIPTORS_LIMIT}], got {value}"
-                )
+                raise ConfigError(f"BackendConfig.{name} must be in [1, {_MAX_DESCRIPTORS_LIMIT}], got {value}")
         if self.max_inflight_per_peer < self.max_descriptors_per_call:
             raise ConfigError(
                 "BackendConfig.max_inflight_per_peer must be >= max_descriptors_per_call, got "
@@ -79,9 +77,7 @@ class BackendConfig:
             raise ConfigError(f"BackendConfig.options must be a mapping, got {type(self.options).__name__}")
         for key, value in self.options.items():
             if not isinstance(key, str) or not isinstance(value, str):
-                raise ConfigError(
-                    f"BackendConfig.options must map str to str, got {key!r}: {value!r}"
-                )
+                raise ConfigError(f"BackendConfig.options must map str to str, got {key!r}: {value!r}")
         object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
 
     def option(self, key: str, default: str) -> str:

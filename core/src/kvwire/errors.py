@@ -78,10 +78,7 @@ class BackendDriftError(BackendError):
     def __init__(self, findings: Sequence[Finding]) -> None:
         self.findings: tuple[Finding, ...] = tuple(findings)
         plugins = sorted({f.plugin for f in self.findings})
-        head = (
-            f"{len(self.findings)} hook-specification finding(s) in backend(s) "
-            f"{', '.join(plugins)}:"
-        )
+        head = f"{len(self.findings)} hook-specification finding(s) in backend(s) {', '.join(plugins)}:"
         super().__init__("\n\n".join([head, *(f.render() for f in self.findings)]))
 
 

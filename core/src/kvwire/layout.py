@@ -15,6 +15,7 @@ versioned and parsed strictly, since it comes over the wire.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -139,7 +140,7 @@ class KVLayout:
                 )
             seen[key] = i
         order = sorted(range(len(buffers)), key=lambda i: buffers[i].base)
-        for prev, cur in zip(order, order[1:]):
+        for prev, cur in itertools.pairwise(order):
             if buffers[prev].memory == buffers[cur].memory and buffers[cur].base < buffers[prev].end:
                 raise LayoutError(f"KVLayout.buffers[{cur}] overlaps buffers[{prev}]")
 
@@ -190,9 +191,7 @@ class KVLayout:
         memory: MemoryKind | Sequence[MemoryKind] | None,
     ) -> KVLayout:
         described = [_describe_array(obj, what) for obj, _, _, what in items]
-        kinds = (
-            [d[3] for d in described] if memory is None else _memory_per_buffer(memory, len(items))
-        )
+        kinds = [d[3] for d in described] if memory is None else _memory_per_buffer(memory, len(items))
         return cls(
             tuple(
                 KVBuffer(base, page_bytes, pages, layer, cast(Role, role), kinds[i])

@@ -41,6 +41,7 @@ _POLICIES: tuple[Policy, ...] = ("strict", "quarantine")
 ALLOW_ENV = "KVWIRE_BACKENDS"
 POLICY_ENV = "KVWIRE_POLICY"
 
+
 @dataclass(frozen=True)
 class BackendInfo:
     """What the registry knows of one backend: origin, status, and why."""
@@ -89,16 +90,24 @@ class BackendInfo:
             "error": self.error,
             "runtime": self.runtime,
             "findings": [
-                {"hook": f.hook, "rule": f.rule, "message": f.message, "fix": f.fix,
-                 "spec_signature": f.spec_signature, "impl_signature": f.impl_signature}
+                {
+                    "hook": f.hook,
+                    "rule": f.rule,
+                    "message": f.message,
+                    "fix": f.fix,
+                    "spec_signature": f.spec_signature,
+                    "impl_signature": f.impl_signature,
+                }
                 for f in self.findings
             ],
         }
+
 
 @cache
 def _entry_points(group: str) -> tuple[metadata.EntryPoint, ...]:
     """The group's entry points, read once per process (each read walks every distribution)."""
     return tuple(metadata.entry_points(group=group))
+
 
 def _allow_from_env() -> frozenset[str] | None:
     raw = os.environ.get(ALLOW_ENV, "").strip()
@@ -106,11 +115,13 @@ def _allow_from_env() -> frozenset[str] | None:
         return None
     return frozenset(n.strip() for n in raw.split(",") if n.strip())
 
+
 def _policy_from_env() -> Policy:
     raw = os.environ.get(POLICY_ENV, "strict").strip() or "strict"
     if raw not in _POLICIES:
         raise ConfigError(f"{POLICY_ENV} must be one of {_POLICIES}, got {raw!r}")
-    return raw  # type: ignore[return-value]
+    return raw
+
 
 def _runtime_of(cls: Any) -> str:
     """``"available"`` or ``"unavailable: <reason>"`` from the optional ``availability()`` classmethod.
@@ -133,6 +144,7 @@ def _dist_of(ep: metadata.EntryPoint) -> tuple[str | None, str | None]:
     if dist is None:
         return None, None
     return dist.metadata["Name"], dist.version
+
 
 class Registry:
     """The set of backends one process can use.
@@ -187,7 +199,6 @@ class Registry:
         return infos
 
     def _duplicate(self, name: str, eps: Sequence[metadata.EntryPoint], dists: Sequence[str]) -> BackendInfo:
-        dist, version = _dist_of(eps[0])
         message = (
             f"backend name {name!r} is claimed by {len(eps)} distributions: {', '.join(dists)} "
             f"(entry points {', '.join(ep.value for ep in eps)}); uninstall all but one"
@@ -198,8 +209,14 @@ class Registry:
     def _load(self, name: str, ep: metadata.EntryPoint) -> BackendInfo:
         dist, version = _dist_of(ep)
         if self.allow is not None and name not in self.allow:
-            return BackendInfo(name, dist, version, ep.value, "blocked",
-                               error=f"not in the allow-list ({', '.join(sorted(self.allow)) or 'empty'})")
+            return BackendInfo(
+                name,
+                dist,
+                version,
+                ep.value,
+                "blocked",
+                error=f"not in the allow-list ({', '.join(sorted(self.allow)) or 'empty'})",
+            )
         try:
             cls = ep.load()
         except Exception as exc:  # an import error in one plugin must not stop the others
@@ -210,14 +227,22 @@ class Registry:
     def _validated(self, name: str, cls: Any, origin: PluginOrigin) -> BackendInfo:
         result = validate_backend(cls, origin)
         info = BackendInfo(
-            name, origin.distribution, origin.version, origin.entry_point, result.status,
-            result.spec_version, result.declared_spec_version, result.capabilities, result.findings,
+            name,
+            origin.distribution,
+            origin.version,
+            origin.entry_point,
+            result.status,
+            result.spec_version,
+            result.declared_spec_version,
+            result.capabilities,
+            result.findings,
             runtime=_runtime_of(cls) if result.status != "drift" else None,
             cls=cls if isinstance(cls, type) else None,
         )
         if result.findings:
-            log.warning("kvwire: backend %r drifts from the spec:\n%s", name,
-                        "\n".join(f.render() for f in result.findings))
+            log.warning(
+                "kvwire: backend %r drifts from the spec:\n%s", name, "\n".join(f.render() for f in result.findings)
+            )
         return info
 
     def load(self) -> list[BackendInfo]:
@@ -307,13 +332,21 @@ class Registry:
         lacking = sorted(wanted - info.capabilities)
         if lacking:
             others = [f"{i.name} ({i.distribution or 'runtime'})" for i in self.supporting(wanted)]
-            hint = f"backends that support them: {', '.join(others)}" if others else "no installed backend supports them"
+            hint = (
+                f"backends that support them: {', '.join(others)}" if others else "no installed backend supports them"
+            )
             raise UnsupportedFeatureError(
                 f"backend {name!r} ({info.distribution or 'runtime'}, spec {info.spec_version}) does not support "
                 f"required feature(s) {lacking}; {hint}"
             )
-        return Connection(info.name, info.cls, info.capabilities, config or BackendConfig(), middleware=middleware,
-                          spec_version=info.spec_version or "")
+        return Connection(
+            info.name,
+            info.cls,
+            info.capabilities,
+            config or BackendConfig(),
+            middleware=middleware,
+            spec_version=info.spec_version or "",
+        )
 
     def with_policy(self, policy: Policy) -> Registry:
         """A registry over the same discovery with another policy."""
@@ -322,8 +355,10 @@ class Registry:
             other._infos = None if self._infos is None else dict(self._infos)
         return other
 
+
 _default: Registry | None = None
 _default_lock = threading.Lock()
+
 
 def default_registry() -> Registry:
     """The process-wide registry (allow-list and policy from the environment)."""
@@ -333,9 +368,11 @@ def default_registry() -> Registry:
             _default = Registry()
         return _default
 
+
 def register_backend(name: str, cls: type) -> BackendInfo:
     """Register a third-party backend class at runtime in the default registry."""
     return default_registry().register(name, cls)
+
 
 def connect(
     name: str,
@@ -346,4 +383,3 @@ def connect(
 ) -> Connection:
     """Connect through the default registry (see :meth:`Registry.connect`)."""
     return default_registry().connect(name, config, features=features, middleware=middleware)
-

@@ -107,6 +107,7 @@ class BackendSpec:
     @hookspec(firstresult=True)
     def endpoint(self) -> str:
         """The id peers pass as ``session_id`` to reach this endpoint."""
+        raise NotImplementedError
 
     @hookspec(firstresult=True)
     def add_peer(self, session_id: str, layout: KVLayout) -> None:
@@ -194,7 +195,9 @@ def spec_hooks(version: SpecVersion) -> Mapping[str, SpecHook]:
     """The hooks of the spec at ``version``: parameters added later are left out."""
     return MappingProxyType(
         {
-            name: SpecHook(hook.name, tuple(p for p in hook.params if p.since <= version), hook.returns, hook.returns_text)
+            name: SpecHook(
+                hook.name, tuple(p for p in hook.params if p.since <= version), hook.returns, hook.returns_text
+            )
             for name, hook in _all_hooks().items()
         }
     )
@@ -217,4 +220,4 @@ def parameter_since(hook: str, param: str) -> SpecVersion:
 
 
 CURRENT = SpecVersion.parse(SPEC_VERSION)
-assert CURRENT == SPEC_HISTORY[-1].version, "SPEC_VERSION must be the newest release in SPEC_HISTORY"
+assert SPEC_HISTORY[-1].version == CURRENT, "SPEC_VERSION must be the newest release in SPEC_HISTORY"

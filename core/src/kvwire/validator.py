@@ -20,7 +20,7 @@ from kvwire.capabilities import FEATURES
 from kvwire.config import BackendConfig
 from kvwire.findings import Finding, PluginOrigin, Rule
 from kvwire.markers import IMPL_ATTR
-from kvwire.spec import CURRENT, SpecHook, SpecParam, SpecVersion, features_at, known_versions, spec_hooks
+from kvwire.spec import CURRENT, SpecHook, SpecVersion, features_at, known_versions, spec_hooks
 
 __all__ = ["Status", "ValidationResult", "validate_backend"]
 
@@ -28,6 +28,10 @@ Status = Literal["ok", "adapted", "drift", "import-error", "duplicate", "blocked
 
 _EMPTY = inspect.Parameter.empty
 _VAR_KINDS = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+_STARS: dict[inspect._ParameterKind, str] = {
+    inspect.Parameter.VAR_POSITIONAL: "*",
+    inspect.Parameter.VAR_KEYWORD: "**",
+}
 _KIND_TEXT = {
     inspect.Parameter.POSITIONAL_ONLY: "positional-only",
     inspect.Parameter.POSITIONAL_OR_KEYWORD: "positional-or-keyword",
@@ -74,7 +78,7 @@ def format_signature(params: Sequence[inspect.Parameter], returns: object) -> st
         if p.kind is inspect.Parameter.KEYWORD_ONLY and not seen_kw_marker:
             parts.append("*")
             seen_kw_marker = True
-        prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}.get(p.kind, "")
+        prefix = _STARS.get(p.kind, "")
         seen_kw_marker = seen_kw_marker or p.kind is inspect.Parameter.VAR_POSITIONAL
         text = prefix + p.name
         if p.annotation is not _EMPTY:
@@ -189,9 +193,9 @@ def _compare_hook(hook: SpecHook, func: Callable[..., Any], is_method: bool) -> 
             f"reorder the parameters to ({', '.join(spec_order)})",
         )
     for sp in hook.params:
-        p = by_name.get(sp.name)
-        if p is None:
+        if sp.name not in by_name:
             continue
+        p = by_name[sp.name]
         if p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
             add(
                 "parameter-kind",
@@ -220,12 +224,19 @@ def _version_of(hook: SpecHook) -> str:
 
 def _check_constructor(cls: type) -> list[_Issue]:
     expected = "__init__(self, config: BackendConfig)"
-    if cls.__init__ is object.__init__:
+    init = inspect.getattr_static(cls, "__init__")
+    if init is object.__init__:
         return [
-            _Issue("__init__", "constructor", "the class defines no constructor taking the config",
-                   f"define `{expected}`", expected, "__init__(self)")
+            _Issue(
+                "__init__",
+                "constructor",
+                "the class defines no constructor taking the config",
+                f"define `{expected}`",
+                expected,
+                "__init__(self)",
+            )
         ]
-    params, text = _impl_parameters(cls.__init__, True)
+    params, text = _impl_parameters(init, True)
     impl = f"__init__(self{', ' if params else ''}{text[1:]}"
     bad = len(params) != 1 or params[0].name != "config" or params[0].kind in _VAR_KINDS
     if not bad and params[0].kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
@@ -234,13 +245,20 @@ def _check_constructor(cls: type) -> list[_Issue]:
         bad = True
     if bad:
         return [
-            _Issue("__init__", "constructor",
-                   "the constructor must take exactly one parameter, `config: kvwire.BackendConfig`",
-                   f"define `{expected}`; backend settings go in BackendConfig.options", expected, impl)
+            _Issue(
+                "__init__",
+                "constructor",
+                "the constructor must take exactly one parameter, `config: kvwire.BackendConfig`",
+                f"define `{expected}`; backend settings go in BackendConfig.options",
+                expected,
+                impl,
+            )
         ]
-    reason = _compare_annotation(BackendConfig, "BackendConfig", params[0].annotation, cls.__init__)
+    reason = _compare_annotation(BackendConfig, "BackendConfig", params[0].annotation, init)
     if reason:
-        return [_Issue("__init__", "constructor", f"parameter `config` {reason}", f"define `{expected}`", expected, impl)]
+        return [
+            _Issue("__init__", "constructor", f"parameter `config` {reason}", f"define `{expected}`", expected, impl)
+        ]
     return []
 
 
@@ -258,50 +276,81 @@ def _check_hooks(cls: type, version: SpecVersion) -> list[_Issue]:
             close = difflib.get_close_matches(name, list(hooks), n=1, cutoff=0.6)
             hint = f"; did you mean `{close[0]}`?" if close else ""
             issues.append(
-                _Issue(name, "unknown-hook", f"`{name}` is marked @kvwire.hookimpl but the spec has no such hook{hint}",
-                       f"rename it to `{close[0]}`" if close else f"remove the @kvwire.hookimpl marker from `{name}`",
-                       f"hooks: {', '.join(hooks)}", name)
+                _Issue(
+                    name,
+                    "unknown-hook",
+                    f"`{name}` is marked @kvwire.hookimpl but the spec has no such hook{hint}",
+                    f"rename it to `{close[0]}`" if close else f"remove the @kvwire.hookimpl marker from `{name}`",
+                    f"hooks: {', '.join(hooks)}",
+                    name,
+                )
             )
     for name, hook in hooks.items():
         func, is_method = _lookup(cls, name)
         if func is None:
             issues.append(
-                _Issue(name, "missing-hook", f"required hook `{name}` is not implemented",
-                       f"add `@kvwire.hookimpl def {_with_self(hook.signature_text())}`",
-                       hook.signature_text(), "<absent>")
+                _Issue(
+                    name,
+                    "missing-hook",
+                    f"required hook `{name}` is not implemented",
+                    f"add `@kvwire.hookimpl def {_with_self(hook.signature_text())}`",
+                    hook.signature_text(),
+                    "<absent>",
+                )
             )
             continue
         if not _is_marked(func):
             issues.append(
-                _Issue(name, "missing-hook", f"`{name}` is defined but not marked, so pluggy would never call it",
-                       f"decorate `{name}` with @kvwire.hookimpl", hook.signature_text(), name)
+                _Issue(
+                    name,
+                    "missing-hook",
+                    f"`{name}` is defined but not marked, so pluggy would never call it",
+                    f"decorate `{name}` with @kvwire.hookimpl",
+                    hook.signature_text(),
+                    name,
+                )
             )
         issues.extend(_compare_hook(hook, func, is_method))
     return issues
 
 
 def _declared_capabilities(cls: type, version: SpecVersion) -> tuple[frozenset[str], list[_Issue]]:
-    raw = getattr(cls, "capabilities", frozenset())
-    if isinstance(raw, str) or not isinstance(raw, (set, frozenset, list, tuple)) or not all(
-        isinstance(c, str) for c in raw
+    raw: object = getattr(cls, "capabilities", frozenset())
+    if (
+        isinstance(raw, str)
+        or not isinstance(raw, (set, frozenset, list, tuple))
+        or not all(isinstance(c, str) for c in raw)
     ):
         return frozenset(), [
-            _Issue("capabilities", "capabilities", f"`capabilities` must be a set of feature names, got {raw!r}",
-                   f"declare e.g. `capabilities = frozenset({{'layer_ids', 'mha'}})`; known: {', '.join(FEATURES)}")
+            _Issue(
+                "capabilities",
+                "capabilities",
+                f"`capabilities` must be a set of feature names, got {raw!r}",
+                f"declare e.g. `capabilities = frozenset({{'layer_ids', 'mha'}})`; known: {', '.join(FEATURES)}",
+            )
         ]
     declared = frozenset(raw)
     issues: list[_Issue] = []
     for name in sorted(declared - set(FEATURES)):
         close = difflib.get_close_matches(name, list(FEATURES), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        issues.append(_Issue("capabilities", "capabilities", f"unknown feature {name!r}{hint}",
-                             f"use known feature names: {', '.join(FEATURES)}"))
+        issues.append(
+            _Issue(
+                "capabilities",
+                "capabilities",
+                f"unknown feature {name!r}{hint}",
+                f"use known feature names: {', '.join(FEATURES)}",
+            )
+        )
     later = {"layer_ids", "device_kv_indices"} - features_at(version)
     for name in sorted(declared & later):
         issues.append(
-            _Issue("capabilities", "capabilities",
-                   f"declares {name!r}, but spec {version} has no parameter for it",
-                   f"declare spec_version {CURRENT} and implement its parameters, or drop {name!r}")
+            _Issue(
+                "capabilities",
+                "capabilities",
+                f"declares {name!r}, but spec {version} has no parameter for it",
+                f"declare spec_version {CURRENT} and implement its parameters, or drop {name!r}",
+            )
         )
     return declared & set(FEATURES), issues
 
@@ -327,16 +376,28 @@ def _declared_version(cls: type) -> tuple[str | None, SpecVersion | None, list[_
         fix = f"declare one of: {known}"
     else:
         return str(raw), version, []
-    return str(raw), None, [_Issue("spec_version", "spec-version", message, fix, f"spec_version in ({known})", str(raw))]
+    return (
+        str(raw),
+        None,
+        [_Issue("spec_version", "spec-version", message, fix, f"spec_version in ({known})", str(raw))],
+    )
 
 
 def validate_backend(cls: object, origin: PluginOrigin) -> ValidationResult:
     """Validate one backend class against the spec; never raises for a bad backend."""
     if not isinstance(cls, type):
-        finding = Finding(origin.name, origin.distribution, origin.version, origin.entry_point, "__init__",
-                          "constructor", f"the entry point names a {type(cls).__name__}, not a class",
-                          "class Backend: __init__(self, config: BackendConfig)", repr(cls),
-                          "point the entry point at the backend class (`module:Class`)")
+        finding = Finding(
+            origin.name,
+            origin.distribution,
+            origin.version,
+            origin.entry_point,
+            "__init__",
+            "constructor",
+            f"the entry point names a {type(cls).__name__}, not a class",
+            "class Backend: __init__(self, config: BackendConfig)",
+            repr(cls),
+            "point the entry point at the backend class (`module:Class`)",
+        )
         return ValidationResult("drift", None, None, frozenset(), (finding,))
     declared_text, declared, issues = _declared_version(cls)
     if declared is not None:
@@ -368,8 +429,18 @@ def validate_backend(cls: object, origin: PluginOrigin) -> ValidationResult:
 
 
 def _to_finding(issue: _Issue, origin: PluginOrigin) -> Finding:
-    return Finding(origin.name, origin.distribution, origin.version, origin.entry_point, issue.hook, issue.rule,
-                   issue.message, issue.spec_signature, issue.impl_signature, issue.fix)
+    return Finding(
+        origin.name,
+        origin.distribution,
+        origin.version,
+        origin.entry_point,
+        issue.hook,
+        issue.rule,
+        issue.message,
+        issue.spec_signature,
+        issue.impl_signature,
+        issue.fix,
+    )
 
 
 def summarize(findings: Sequence[Finding]) -> str:

@@ -79,12 +79,15 @@ class LocalBackend:
             raise InvalidTransferError("register_kv_buffers() must be called before send_kvcache()")
         peer_layout = self._peers.get(session_id)
         if peer_layout is None:
-            raise InvalidTransferError(
-                f"session_id {session_id!r} is unknown: call add_peer(session_id, layout) first"
-            )
+            raise InvalidTransferError(f"session_id {session_id!r} is unknown: call add_peer(session_id, layout) first")
         plan = plan_transfer(
-            self._layout, peer_layout, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices,
-            dst_layer_ids, dst_device_kv_indices,
+            self._layout,
+            peer_layout,
+            prefill_kv_indices,
+            dst_kv_ptrs,
+            dst_kv_indices,
+            dst_layer_ids,
+            dst_device_kv_indices,
         )
         peer = _directory.get(session_id)
         if peer is None:

@@ -115,19 +115,35 @@ INVALID: dict[str, tuple[Callable[[Pair], dict[str, Any]], str]] = {
     "negative-index": (lambda p: {"prefill": _i32(-1, 2), "dst_pages": _i32(1, 2)}, "prefill_kv_indices"),
     "length-mismatch": (lambda p: {"prefill": _i32(1, 2, 3), "dst_pages": _i32(1, 2)}, "dst_kv_indices"),
     "float-indices": (lambda p: {"prefill": np.array([1.0, 2.0]), "dst_pages": _i32(1, 2)}, "prefill_kv_indices"),
-    "two-dimensional": (lambda p: {"prefill": np.array([[1, 2]], np.int32), "dst_pages": _i32(1, 2)},
-                        "prefill_kv_indices"),
+    "two-dimensional": (
+        lambda p: {"prefill": np.array([[1, 2]], np.int32), "dst_pages": _i32(1, 2)},
+        "prefill_kv_indices",
+    ),
     "list-not-array": (lambda p: {"prefill": [1, 2], "dst_pages": _i32(1, 2)}, "prefill_kv_indices"),
-    "ptr-count": (lambda p: {"prefill": _i32(1), "dst_pages": _i32(1), "dst_kv_ptrs": p.dst_kv_ptrs[:-1]},
-                  "dst_kv_ptrs"),
-    "ptr-value": (lambda p: {"prefill": _i32(1), "dst_pages": _i32(1),
-                             "dst_kv_ptrs": [p.dst_kv_ptrs[0] + 4096, *p.dst_kv_ptrs[1:]]}, "dst_kv_ptrs"),
-    "layer-ids-duplicate": (lambda p: {"prefill": _i32(1), "dst_pages": _i32(1), "dst_layer_ids": [0, 0, 1]},
-                            "dst_layer_ids"),
-    "layer-ids-unknown": (lambda p: {"prefill": _i32(1), "dst_pages": _i32(1), "dst_layer_ids": [0, 1, 9]},
-                          "dst_layer_ids"),
+    "ptr-count": (
+        lambda p: {"prefill": _i32(1), "dst_pages": _i32(1), "dst_kv_ptrs": p.dst_kv_ptrs[:-1]},
+        "dst_kv_ptrs",
+    ),
+    "ptr-value": (
+        lambda p: {
+            "prefill": _i32(1),
+            "dst_pages": _i32(1),
+            "dst_kv_ptrs": [p.dst_kv_ptrs[0] + 4096, *p.dst_kv_ptrs[1:]],
+        },
+        "dst_kv_ptrs",
+    ),
+    "layer-ids-duplicate": (
+        lambda p: {"prefill": _i32(1), "dst_pages": _i32(1), "dst_layer_ids": [0, 0, 1]},
+        "dst_layer_ids",
+    ),
+    "layer-ids-unknown": (
+        lambda p: {"prefill": _i32(1), "dst_pages": _i32(1), "dst_layer_ids": [0, 1, 9]},
+        "dst_layer_ids",
+    ),
     "device-indices-without-device-buffers": (
-        lambda p: {"prefill": _i32(1), "dst_pages": _i32(1), "dst_device_pages": _i32(1)}, "dst_device_kv_indices"),
+        lambda p: {"prefill": _i32(1), "dst_pages": _i32(1), "dst_device_pages": _i32(1)},
+        "dst_device_kv_indices",
+    ),
 }
 
 
@@ -153,7 +169,12 @@ def test_contract_invalid_input_leaves_destination_unchanged(
     ptrs = args.pop("dst_kv_ptrs", kvwire_invalid_pair.dst_kv_ptrs)
     with pytest.raises(expected, match=argument):
         kvwire_invalid_pair.connection.send_kvcache(
-            kvwire_invalid_pair.receiver.endpoint, args["prefill"], ptrs, args["dst_pages"], None,
-            args.get("dst_layer_ids"), args.get("dst_device_pages"),
+            kvwire_invalid_pair.receiver.endpoint,
+            args["prefill"],
+            ptrs,
+            args["dst_pages"],
+            None,
+            args.get("dst_layer_ids"),
+            args.get("dst_device_pages"),
         )
     assert kvwire_invalid_pair.receiver.hashes() == kvwire_invalid_pair.untouched_hashes()

@@ -94,8 +94,13 @@ class Pair:
         dst_device_pages: NDArray[np.integer] | None = None,
     ) -> int:
         return self.connection.send_kvcache(
-            self.receiver.endpoint, prefill, self.dst_kv_ptrs, dst_pages, None,  # type: ignore[arg-type]
-            dst_layer_ids, dst_device_pages,  # type: ignore[arg-type]
+            self.receiver.endpoint,
+            prefill,  # type: ignore[arg-type]
+            self.dst_kv_ptrs,
+            dst_pages,  # type: ignore[arg-type]
+            None,
+            dst_layer_ids,
+            dst_device_pages,  # type: ignore[arg-type]
         )
 
     def initial_peer(self) -> list[NDArray[np.uint8]]:
@@ -111,8 +116,16 @@ class Pair:
         dst_device_pages: NDArray[np.integer] | None = None,
     ) -> list[str]:
         return hashes(
-            expected_buffers(self.src, self.local, self.initial_peer(), self.receiver.layout, prefill, dst_pages,
-                             dst_layer_ids, dst_device_pages)
+            expected_buffers(
+                self.src,
+                self.local,
+                self.initial_peer(),
+                self.receiver.layout,
+                prefill,
+                dst_pages,
+                dst_layer_ids,
+                dst_device_pages,
+            )
         )
 
     def untouched_hashes(self) -> list[str]:

@@ -11,10 +11,18 @@ from kvwire.testing.harness import ContractHarness
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvwire", "kvwire backend contract test kit")
-    group.addoption("--kvwire-backend", default=None, metavar="NAME",
-                    help="run the kvwire contract suite against the installed backend NAME")
-    group.addoption("--kvwire-two-process", action="store_true", default=False,
-                    help="run the receiving endpoint in a separate process (needed by real transports)")
+    group.addoption(
+        "--kvwire-backend",
+        default=None,
+        metavar="NAME",
+        help="run the kvwire contract suite against the installed backend NAME",
+    )
+    group.addoption(
+        "--kvwire-two-process",
+        action="store_true",
+        default=False,
+        help="run the receiving endpoint in a separate process (needed by real transports)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:

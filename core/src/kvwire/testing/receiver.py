@@ -55,8 +55,13 @@ class LayoutSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LayoutSpec:
-        return cls(data["attention"], tuple(data["layers"]), data["num_pages"], data["page_bytes"],
-                   tuple(data.get("device_layers", ())))
+        return cls(
+            data["attention"],
+            tuple(data["layers"]),
+            data["num_pages"],
+            data["page_bytes"],
+            tuple(data.get("device_layers", ())),
+        )
 
 
 def allocate(spec: LayoutSpec) -> tuple[list[NDArray[np.uint8]], KVLayout]:
@@ -120,7 +125,9 @@ class SubprocessReceiver:
         self.timeout_s = timeout_s
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvwire.testing.receiver", backend, json.dumps(spec.to_dict()), str(seed)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         hello = self._read()
         self.endpoint = cast(str, hello["endpoint"])

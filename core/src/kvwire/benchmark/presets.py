@@ -1,0 +1,52 @@
+"""Model presets: the KV layout shapes ``kvwire bench`` allocates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvwire.errors import ConfigError
+
+__all__ = ["PRESETS", "Preset", "get_preset"]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model's KV shape; ``page_bytes`` is per buffer (one layer's K, V or latent KV)."""
+
+    name: str
+    attention: Literal["mha", "mla"]
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2
+    page_tokens: int = 16
+    split_device: bool = False  # decode side holds host and device buffers (HiSparse)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_tokens * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def buffers_per_layer(self) -> int:
+        return 2 if self.attention == "mha" else 1
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("llama3-8b", "mha", 32, 8, 128),
+        Preset("qwen2.5-7b", "mha", 28, 4, 128),
+        # DeepSeek-V3 MLA: one latent vector per token, kv_lora_rank 512 + rope 64 dims
+        Preset("deepseek-v3", "mla", 61, 1, 576),
+        # The same, decoded with HiSparse: full KV in host DRAM plus a device copy per layer
+        Preset("deepseek-v3-hisparse", "mla", 61, 1, 576, split_device=True),
+    )
+}
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"--preset: unknown preset {name!r}; known: {', '.join(PRESETS)}") from None

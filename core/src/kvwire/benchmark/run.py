@@ -1,0 +1,234 @@
+"""``kvwire bench``: orchestrate a decode process, send requests from this (prefill) process.
+
+Each request takes random fragmented pages (mean run ``--mean-run``) on both
+sides, is sent through the chosen backend, timed, and verified on the decode
+side by a digest of every page. ``--compare-raw`` sends the identical
+descriptors through the backend's raw engine call in the same run;
+``--compare-uncoalesced`` sends one descriptor per page instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvwire.benchmark.pools import Pool
+from kvwire.benchmark.presets import PRESETS, get_preset
+from kvwire.benchmark.wire import digest, parse_peer_description, read_message, send_message
+from kvwire.config import BackendConfig
+from kvwire.connection import Connection
+from kvwire.errors import ConfigError
+from kvwire.planning import plan_transfer
+from kvwire.registry import connect
+
+__all__ = ["add_arguments", "run"]
+
+RawWrite = Callable[[str, NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]], None]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="mooncake", help="backend name (default: mooncake)")
+    parser.add_argument("--preset", default="llama3-8b", help=f"layout preset: {', '.join(PRESETS)}")
+    parser.add_argument("--requests", type=int, default=16, help="number of requests (default 16)")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per request (default 4096)")
+    parser.add_argument("--mean-run", type=int, default=8, help="mean run of consecutive pages (default 8)")
+    parser.add_argument("--device", default="cpu", help="where decode-side device buffers live (cpu, cuda)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=10.0, help="transfer timeout in seconds")
+    parser.add_argument("--compare-raw", action="store_true", help="also time the raw engine call, same descriptors")
+    parser.add_argument("--compare-uncoalesced", action="store_true", help="also time one descriptor per page")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def _pages(rng: np.random.Generator, num_pages: int, count: int, mean_run: int) -> NDArray[np.int32]:
+    """``count`` distinct pages in shuffled runs of mean length ``mean_run`` (a fragmented allocator)."""
+    runs = max(1, num_pages // mean_run)
+    starts = rng.permutation(runs) * mean_run
+    lengths = np.clip(rng.geometric(1.0 / mean_run, size=runs), 1, mean_run)
+    pages = np.concatenate([np.arange(s, min(s + n, num_pages)) for s, n in zip(starts, lengths)])
+    if pages.size < count:
+        raise ConfigError(f"pool of {num_pages} pages cannot hold {count} fragmented pages")
+    return pages[:count].astype(np.int32)
+
+
+def _raw_writer(conn: Connection) -> RawWrite | None:
+    transport = getattr(conn.backend, "transport", None)
+    engine = getattr(transport, "engine", None)
+    raw = getattr(engine, "raw_write", None)
+    return raw if callable(raw) else None
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled, self.done = total, enabled, 0
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.enabled:
+            filled = int(30 * self.done / self.total)
+            sys.stderr.write(f"\r  [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {label}   ")
+            sys.stderr.flush()
+            if self.done == self.total:
+                sys.stderr.write("\n")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.array(values), q)) if values else 0.0
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("requests", "tokens", "mean_run"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    preset = get_preset(args.preset)
+    pages_per_request = -(-args.tokens // preset.page_tokens)
+    pool_pages = max(2 * pages_per_request, 64) + args.mean_run
+    decode_args = {
+        "backend": args.backend,
+        "preset": preset.name,
+        "pages": pool_pages,
+        "seed": args.seed + 1,
+        "device": args.device,
+        "timeout_s": args.timeout,
+    }
+    env = dict(os.environ)
+    decode = subprocess.Popen(
+        [sys.executable, "-m", "kvwire.benchmark.decode", json.dumps(decode_args)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert decode.stdin is not None and decode.stdout is not None
+    try:
+        endpoint, peer_layout = parse_peer_description(read_message(decode.stdout))
+        pool = Pool(preset, pool_pages, decode_side=False)
+        pool.fill_random(args.seed)
+        config = BackendConfig(timeout_s=args.timeout)
+        with connect(args.backend, config) as conn:
+            conn.register_kv_buffers(pool.layout)
+            conn.add_peer(endpoint, peer_layout)
+            result = _measure(args, conn, pool, endpoint, peer_layout, pages_per_request, decode)
+        send_message(decode.stdin, {"cmd": "quit"})
+        decode.wait(timeout=30)
+    finally:
+        if decode.poll() is None:
+            decode.kill()
+            decode.wait()
+    result.update(backend=args.backend, preset=preset.name, backing=pool.backing)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print_table(result)
+    return 0 if result["verified"] else 1
+
+
+def _measure(
+    args: argparse.Namespace,
+    conn: Connection,
+    pool: Pool,
+    endpoint: str,
+    peer_layout: Any,
+    pages_per_request: int,
+    decode: subprocess.Popen[str],
+) -> dict[str, Any]:
+    assert decode.stdin is not None and decode.stdout is not None
+    rng = np.random.default_rng(args.seed + 7)
+    ptrs = [b.base for b in peer_layout.buffers]
+    split = peer_layout.has_memory("device")
+    raw = _raw_writer(conn) if args.compare_raw else None
+    if args.compare_raw and raw is None:
+        raise ConfigError(f"--compare-raw: backend {args.backend!r} exposes no raw engine call")
+    latencies: list[float] = []
+    raw_seconds = uncoalesced_seconds = 0.0
+    total = 0
+    verified = True
+    before = after = 0
+    progress = _Progress(args.requests, not args.json)
+    for i in range(args.requests):
+        src = _pages(rng, pool.num_pages, pages_per_request, args.mean_run)
+        dst = _pages(rng, peer_layout.buffers[0].num_pages, pages_per_request, args.mean_run)
+        dev = _pages(rng, peer_layout.buffers[0].num_pages, pages_per_request, args.mean_run) if split else None
+        plan = plan_transfer(pool.layout, peer_layout, src, ptrs, dst, None, dev)
+        before += plan.descriptors_before
+        after += len(plan)
+        if raw is not None:
+            start = time.perf_counter()
+            raw(endpoint, plan.src, plan.dst, plan.length)
+            raw_seconds += time.perf_counter() - start
+        if args.compare_uncoalesced:
+            flat = plan_transfer(pool.layout, peer_layout, src, ptrs, dst, None, dev, coalesce=False)
+            engine_write = conn.backend.transport.engine.write
+            start = time.perf_counter()
+            engine_write(endpoint, flat.src, flat.dst, flat.length)
+            uncoalesced_seconds += time.perf_counter() - start
+        start = time.perf_counter()
+        moved = conn.send_kvcache(endpoint, src, ptrs, dst, None, None, dev)
+        latencies.append(time.perf_counter() - start)
+        total += moved
+        expected = digest(pool.views, src.astype(np.int64))
+        send_message(
+            decode.stdin,
+            {
+                "cmd": "verify",
+                "id": i,
+                "digest": expected,
+                "host_pages": dst.tolist(),
+                "device_pages": None if dev is None else dev.tolist(),
+            },
+        )
+        ok = bool(read_message(decode.stdout)["ok"])
+        verified = verified and ok
+        progress.step("verified" if ok else "MISMATCH")
+    seconds = sum(latencies)
+    result: dict[str, Any] = {
+        "requests": args.requests,
+        "tokens": args.tokens,
+        "bytes": total,
+        "verified": verified,
+        "gbps": round(total / seconds / 1e9, 3) if seconds else 0.0,
+        "p50_ms": round(_percentile(latencies, 50) * 1e3, 2),
+        "p99_ms": round(_percentile(latencies, 99) * 1e3, 2),
+        "descriptors_before": before // args.requests,
+        "descriptors_after": after // args.requests,
+    }
+    if raw is not None:
+        result["raw_gbps"] = round(total / raw_seconds / 1e9, 3)
+        result["ratio"] = round(result["gbps"] / result["raw_gbps"], 3)
+    if args.compare_uncoalesced:
+        result["uncoalesced_gbps"] = round(total / uncoalesced_seconds / 1e9, 3)
+        result["coalescing_speedup"] = round(result["gbps"] / result["uncoalesced_gbps"], 2)
+    return result
+
+
+def _print_table(r: dict[str, Any]) -> None:
+    rows = [
+        ("backend", f"{r['backend']} ({r['preset']}, pools: {r['backing']})"),
+        ("requests", f"{r['requests']} x {r['tokens']} tokens"),
+        ("bytes", f"{r['bytes'] / 2**30:.2f} GiB"),
+        ("verified", "every byte" if r["verified"] else "MISMATCH"),
+        ("throughput", f"{r['gbps']:.3f} GB/s"),
+        ("latency p50 / p99", f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f} ms"),
+        ("descriptors/request", f"{r['descriptors_before']} pages -> {r['descriptors_after']} after coalescing"),
+    ]
+    if "raw_gbps" in r:
+        rows.append(("raw engine call", f"{r['raw_gbps']:.3f} GB/s   (kvwire/raw = {r['ratio']:.3f})"))
+    if "uncoalesced_gbps" in r:
+        rows.append(
+            (
+                "one descriptor/page",
+                f"{r['uncoalesced_gbps']:.3f} GB/s   (coalescing speedup = {r['coalescing_speedup']:.2f}x)",
+            )
+        )
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key.ljust(width)}  {value}")
