@@ -79,7 +79,8 @@ class TransferPlan:
         """Consecutive slices of at most ``max_descriptors`` descriptors (views, no copies).
 
         For engines that cap the batch size. An empty plan yields no chunk.
-        Each chunk keeps the whole plan's ``descriptors_before``.
+        Each chunk keeps the whole plan's ``descriptors_before``. A bad
+        ``max_descriptors`` raises here, not when the first chunk is taken.
         """
         if isinstance(max_descriptors, bool) or not isinstance(max_descriptors, (int, np.integer)):
             raise InvalidTransferError(
@@ -88,11 +89,12 @@ class TransferPlan:
         if max_descriptors < 1:
             raise InvalidTransferError(f"max_descriptors must be >= 1, got {max_descriptors}")
         step = int(max_descriptors)
-        for start in range(0, len(self), step):
-            stop = start + step
-            yield TransferPlan(
-                self.src[start:stop], self.dst[start:stop], self.length[start:stop], self.descriptors_before
+        return (  # checked above, now, not on the first next()
+            TransferPlan(
+                self.src[i : i + step], self.dst[i : i + step], self.length[i : i + step], self.descriptors_before
             )
+            for i in range(0, len(self), step)
+        )
 
     @classmethod
     def empty(cls) -> TransferPlan:
@@ -418,7 +420,7 @@ def _safety_net(pairing: _Pairing, g: _Group, runs: _Runs) -> None:
         )
 
 
-def plan_transfer(  # noqa: PLR0917 -- positional order follows send_kvcache (sglang)
+def plan_transfer(
     local: KVLayout,
     peer: KVLayout,
     prefill_kv_indices: NDArray[np.integer[Any]],

@@ -1,0 +1,232 @@
+"""Property tests: plan_transfer against a naive per-page reference, on real memory filled with random bytes.
+
+Each example builds real numpy buffers (MHA or MLA, optional pipeline-parallel
+layer mapping, host-only / device-only / split-by-layer / host+device peers),
+draws fragmented page sets, applies the plan with ``memmove`` and compares every
+byte of every buffer with what a plain Python loop, one page at a time, says
+must happen.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from numpy.typing import NDArray
+
+from kvwire.layout import KVBuffer, KVLayout, MemoryKind, Role
+from kvwire.planning import TransferPlan, plan_transfer
+
+PEER_MEMORY = ("host", "device", "split", "both")
+INDEX_MODES = ("consecutive", "random", "sorted", "runs", "runs-touching")
+
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@dataclass
+class Case:
+    local: KVLayout
+    peer: KVLayout
+    local_arrays: list[NDArray[np.uint8]]
+    peer_arrays: list[NDArray[np.uint8]]
+    prefill: NDArray[Any]
+    host: NDArray[Any]
+    device: NDArray[Any] | None
+    layer_ids: list[int] | None
+
+
+def page_ids(rng: np.random.Generator, mode: str, n: int, space: int) -> NDArray[np.int64]:
+    """``n`` distinct page ids out of ``space``, fragmented in the way ``mode`` says."""
+    if mode == "consecutive":
+        start = int(rng.integers(0, space - n + 1))
+        return np.arange(start, start + n, dtype=np.int64)
+    if mode == "sorted":
+        return np.sort(rng.choice(space, size=n, replace=False)).astype(np.int64)
+    if mode.startswith("runs") and n:
+        lengths: list[int] = []
+        while sum(lengths) < n:
+            lengths.append(min(int(rng.geometric(1 / 3)), n - sum(lengths)))
+        low_gap = 0 if mode == "runs-touching" else 1  # touching runs merge on this side only
+        gaps = rng.integers(low_gap, 3, size=len(lengths))
+        if sum(lengths) + int(gaps.sum()) <= space:
+            order = rng.permutation(len(lengths))
+            slots = np.array(lengths)[order] + gaps
+            starts = np.empty(len(lengths), dtype=np.int64)
+            starts[order] = np.cumsum(slots) - slots
+            return np.concatenate([np.arange(s, s + k) for s, k in zip(starts, lengths, strict=True)]).astype(np.int64)
+    return rng.choice(space, size=n, replace=False).astype(np.int64)
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> Case:
+    attention = draw(st.sampled_from(("mha", "mla")))
+    roles: tuple[Role, ...] = ("k", "v") if attention == "mha" else ("kv",)
+    n_local = draw(st.integers(1, 3))
+    mapped = draw(st.booleans())
+    n_peer = n_local + (draw(st.integers(0, 3)) if mapped else 0)
+    layer_ids = draw(st.permutations(range(n_peer)))[:n_local] if mapped else None
+    page_bytes = draw(st.sampled_from((8, 24, 64)))
+    pages = st.integers(16, 64) | st.integers(1, 64)
+    local_pages, host_pages, device_pages = draw(pages), draw(pages), draw(pages)
+    peer_memory = draw(st.sampled_from(PEER_MEMORY))
+    most = min(local_pages, host_pages, device_pages)
+    n = draw(st.integers(most // 2, most) | st.just(most) | st.integers(0, most))  # lean to long requests
+    modes = [draw(st.sampled_from(INDEX_MODES)) for _ in range(3)]
+    int_type = draw(st.sampled_from((np.int32, np.int64)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+
+    def random_pages(pages: int) -> NDArray[np.uint8]:
+        return rng.integers(1, 256, size=(pages, page_bytes), dtype=np.uint8)
+
+    def buffer(arr: NDArray[np.uint8], layer: int, role: Role, memory: MemoryKind) -> KVBuffer:
+        return KVBuffer(arr.ctypes.data, page_bytes, arr.shape[0], layer, role, memory)
+
+    local_arrays = [random_pages(local_pages) for _ in roles for _ in range(n_local)]
+    # local layer ids need not start at 0: a later pipeline stage may keep global ids
+    first_local = draw(st.integers(0, 2))
+    local = KVLayout(tuple(
+        buffer(local_arrays[r * n_local + i], first_local + i, role, "host")
+        for r, role in enumerate(roles) for i in range(n_local)
+    ))
+    if not mapped:
+        layer_ids = None
+        peer_layers = [first_local + i for i in range(n_local)]
+    else:
+        peer_layers = list(range(n_peer))
+    peer_specs: list[tuple[int, Role, MemoryKind]] = []
+    for role in roles:
+        for layer in peer_layers:
+            if peer_memory in ("host", "device"):
+                peer_specs.append((layer, role, peer_memory))  # type: ignore[arg-type]
+            elif peer_memory == "split":
+                peer_specs.append((layer, role, draw(st.sampled_from(("host", "device")))))
+            else:
+                peer_specs += [(layer, role, "host"), (layer, role, "device")]
+    if draw(st.booleans()):
+        peer_specs = draw(st.permutations(peer_specs))
+    peer_arrays = [random_pages(host_pages if m == "host" else device_pages) for _, _, m in peer_specs]
+    peer = KVLayout(tuple(buffer(a, *spec) for a, spec in zip(peer_arrays, peer_specs, strict=True)))
+
+    prefill = page_ids(rng, modes[0], n, local_pages).astype(int_type)
+    host = page_ids(rng, modes[1], n, host_pages).astype(int_type)
+    case = Case(local, peer, local_arrays, peer_arrays, prefill, host, None, layer_ids)
+    # device page ids exactly when some target is a device buffer (a mapped-away one does not count)
+    if any(peer.buffers[j].memory == "device" for _, j in targets(case)):
+        case.device = page_ids(rng, modes[2], n, device_pages).astype(int_type)
+    return case
+
+
+def targets(case: Case) -> list[tuple[int, int]]:
+    """(local buffer, peer buffer) pairs, the naive way."""
+    out = []
+    for i, lb in enumerate(case.local.buffers):
+        layer = lb.layer if case.layer_ids is None else case.layer_ids[case.local.layers.index(lb.layer)]
+        out += [(i, j) for j, pb in enumerate(case.peer.buffers) if pb.layer == layer and pb.role == lb.role]
+    return out
+
+
+def reference_pages(case: Case) -> list[tuple[int, int, int]]:
+    """One (src, dst, page_bytes) per page per buffer pair: a plain loop, no cleverness."""
+    out = []
+    for i, j in targets(case):
+        lb, pb = case.local.buffers[i], case.peer.buffers[j]
+        dst_ids = case.host if pb.memory == "host" else case.device
+        assert dst_ids is not None
+        for k in range(len(case.prefill)):
+            out.append((lb.base + int(case.prefill[k]) * lb.page_bytes, pb.base + int(dst_ids[k]) * pb.page_bytes,
+                        lb.page_bytes))
+    return out
+
+
+def naive_runs(src: NDArray[Any], dst: NDArray[Any]) -> int:
+    return sum(1 for k in range(len(src)) if k == 0 or not (src[k] == src[k - 1] + 1 and dst[k] == dst[k - 1] + 1))
+
+
+def expand(plan: TransferPlan, page_bytes: int, max_pages: int) -> list[tuple[int, int, int]]:
+    """The plan one page per descriptor (a descriptor longer than ``max_pages`` pages is a failure)."""
+    out = []
+    for s, d, n in zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist(), strict=True):
+        assert n % page_bytes == 0 and 0 < n <= max_pages * page_bytes, (n, page_bytes)
+        out += [(s + k * page_bytes, d + k * page_bytes, page_bytes) for k in range(n // page_bytes)]
+    return out
+
+
+def plan_of(case: Case, coalesce: bool = True) -> TransferPlan:
+    return plan_transfer(
+        case.local, case.peer, case.prefill, [b.base for b in case.peer.buffers], case.host,
+        case.layer_ids, case.device, coalesce=coalesce,
+    )
+
+
+@SETTINGS
+@given(cases())
+def test_same_bytes_land_in_the_same_places_and_nothing_else_changes(case: Case) -> None:
+    local_before = [a.copy() for a in case.local_arrays]
+    expected = [a.copy() for a in case.peer_arrays]
+    for i, j in targets(case):  # the reference, one page at a time
+        dst_ids = case.host if case.peer.buffers[j].memory == "host" else case.device
+        assert dst_ids is not None
+        for k in range(len(case.prefill)):
+            expected[j][int(dst_ids[k])] = case.local_arrays[i][int(case.prefill[k])]
+
+    plan = plan_of(case)
+    for s, d, n in zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist(), strict=True):
+        # never let a wrong plan scribble over the interpreter: check before copying
+        assert any(b.base <= s and s + n <= b.end for b in case.local.buffers), (s, n)
+        assert any(b.base <= d and d + n <= b.end for b in case.peer.buffers), (d, n)
+        ctypes.memmove(d, s, n)
+
+    for got, want in zip(case.peer_arrays, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(case.local_arrays, local_before, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@SETTINGS
+@given(cases(), st.booleans())
+def test_descriptors_equal_the_per_page_reference(case: Case, coalesce: bool) -> None:
+    plan = plan_of(case, coalesce)
+    page_bytes = case.local.buffers[0].page_bytes
+    pairs = targets(case)
+    n = len(case.prefill)
+    reference = reference_pages(case)
+
+    assert sorted(expand(plan, page_bytes, n)) == sorted(reference)
+    assert plan.nbytes == n * page_bytes * len(pairs)
+    assert plan.descriptors_before == n * len(pairs)
+    if not coalesce:
+        assert len(plan) == plan.descriptors_before
+        assert expand(plan, page_bytes, n) == reference  # same order too: pair by pair, page by page
+    else:  # runs are maximal: exactly as many descriptors as the naive run count
+        expected = 0
+        for _, j in pairs:
+            dst_ids = case.host if case.peer.buffers[j].memory == "host" else case.device
+            assert dst_ids is not None
+            expected += naive_runs(case.prefill, dst_ids)
+        assert len(plan) == expected
+
+    # no two descriptors overlap at the destination
+    order = np.argsort(plan.dst, kind="stable")
+    dst, length = plan.dst[order], plan.length[order]
+    assert bool(np.all(dst[:-1] + length[:-1] <= dst[1:]))
+
+    # every descriptor stays inside one source buffer and one target buffer
+    for s, d, k in zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist(), strict=True):
+        assert any(b.base <= s and s + k <= b.end for b in case.local.buffers)
+        assert any(b.base <= d and d + k <= b.end for b in case.peer.buffers)
+
+
+@SETTINGS
+@given(cases(), st.integers(1, 7))
+def test_chunks_concatenate_to_the_plan(case: Case, size: int) -> None:
+    plan = plan_of(case)
+    chunks = list(plan.chunks(size))
+    assert all(1 <= len(c) <= size for c in chunks)
+    assert sum(len(c) for c in chunks) == len(plan)
+    for field in ("src", "dst", "length"):
+        joined = np.concatenate([getattr(c, field) for c in chunks]) if chunks else np.zeros(0, np.int64)
+        np.testing.assert_array_equal(joined, getattr(plan, field))
