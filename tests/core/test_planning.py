@@ -188,10 +188,22 @@ def test_split_destinations_interleaved_by_local_buffer() -> None:
     assert plan.descriptors_before == 3 * 4
 
 
-def test_all_device_peer_takes_device_ids() -> None:
+def test_all_device_peer_takes_dst_kv_indices() -> None:
+    """An ordinary GPU decode (every target a device buffer) is addressed by dst_kv_indices, as sglang does."""
     local, peer = mla(2, 1 << 20), mla(2, 1 << 30, memory="device")
-    plan = plan_transfer(local, peer, idx(0, 1), ptrs(peer), idx(3, 3), None, idx(4, 5))
+    plan = plan_transfer(local, peer, idx(0, 1), ptrs(peer), idx(4, 5))
     assert triples(plan) == [(1 << 20, (1 << 30) + 256, 128), ((1 << 20) + 1024, (1 << 30) + 1024 + 256, 128)]
+    assert triples(plan_transfer(local, peer, idx(0, 1), ptrs(peer), idx(4, 5), None, None)) == triples(plan)
+
+
+def test_targets_of_one_kind_after_mapping_take_dst_kv_indices() -> None:
+    """Only the targeted buffers count: a peer mixing kinds is unsplit when the mapping hits one kind."""
+    local = mla(1, 1 << 20)
+    peer = KVLayout((KVBuffer(1 << 30, 64, 16, 0), KVBuffer(1 << 31, 64, 16, 1, memory="device")))
+    plan = plan_transfer(local, peer, idx(1), ptrs(peer), idx(2), [1])  # layer 0 -> peer layer 1 (device)
+    assert triples(plan) == [((1 << 20) + 64, (1 << 31) + 128, 64)]
+    with raises("dst_device_kv_indices was given, but the peer's targeted buffers are all device buffers"):
+        plan_transfer(local, peer, idx(1), ptrs(peer), idx(2), [1], idx(3))
 
 
 def test_different_page_sizes_per_buffer() -> None:
@@ -343,10 +355,16 @@ def test_host_index_range_ignores_device_buffers(hisparse: tuple[KVLayout, KVLay
         plan_transfer(local, peer, idx(1, 2), ptrs(peer), idx(50, 8), None, idx(1, 2))
 
 
-def test_unused_host_ids_must_still_be_non_negative() -> None:
-    local, peer = mla(1, 1 << 20), mla(1, 1 << 30, memory="device")
-    with raises("dst_kv_indices[1] = -1 is negative"):
-        plan_transfer(local, peer, idx(0, 1), ptrs(peer), idx(0, -1), None, idx(0, 1))
+def test_all_device_peer_checks_dst_kv_indices_against_device_buffers() -> None:
+    local = mla(2, 1 << 20)
+    peer = KVLayout((
+        KVBuffer(1 << 30, 64, 16, 0, memory="device"),
+        KVBuffer(1 << 31, 64, 10, 1, memory="device"),
+    ))
+    with raises("dst_kv_indices[1] = 10 is out of range: peer buffer 1 (layer 1, kv, device) has 10 pages"):
+        plan_transfer(local, peer, idx(0, 1), ptrs(peer), idx(9, 10))
+    with raises("dst_kv_indices[0] = -1 is negative"):
+        plan_transfer(local, peer, idx(0, 1), ptrs(peer), idx(-1, 3))
 
 
 @pytest.mark.parametrize(("value", "message"), [
@@ -387,16 +405,28 @@ def test_lengths_must_match(hisparse: tuple[KVLayout, KVLayout]) -> None:
         plan_transfer(local, peer, idx(1, 2), ptrs(peer), idx(1, 2), None, idx(1))
 
 
-def test_device_ids_required_when_a_target_is_device(hisparse: tuple[KVLayout, KVLayout]) -> None:
+def test_device_ids_required_when_targets_mix_kinds(hisparse: tuple[KVLayout, KVLayout]) -> None:
     local, peer = hisparse
-    with raises("dst_device_kv_indices is None, but peer buffer 1 (layer 1, kv, device) is a target"):
+    with raises("dst_device_kv_indices is None, but the peer's targeted buffers mix host and device memory "
+                "(peer buffer 0 (layer 0, kv, host) and peer buffer 1 (layer 1, kv, device) are both targets), "
+                "so device buffers need their own page ids"):
         plan_transfer(local, peer, idx(1, 2), ptrs(peer), idx(7, 8))
 
 
-def test_device_ids_rejected_without_device_target() -> None:
+def test_device_ids_rejected_for_all_host_targets() -> None:
     local, peer = mla(2, 1 << 20), mla(2, 1 << 30)
-    with raises("dst_device_kv_indices was given, but no target buffer in the peer layout is a device buffer"):
+    with raises("dst_device_kv_indices was given, but the peer's targeted buffers are all host buffers, "
+                "so there is no split destination"):
         plan_transfer(local, peer, idx(1), ptrs(peer), idx(1), None, idx(1))
+
+
+def test_device_ids_rejected_for_all_device_targets() -> None:
+    local, peer = mla(2, 1 << 20), mla(2, 1 << 30, memory="device")
+    with raises("dst_device_kv_indices was given, but the peer's targeted buffers are all device buffers, "
+                "so there is no split destination"):
+        plan_transfer(local, peer, idx(0, 1), ptrs(peer), idx(3, 3), None, idx(4, 5))
+    with raises("dst_device_kv_indices was given"):  # even an empty request: the rule does not depend on n
+        plan_transfer(local, peer, idx(), ptrs(peer), idx(), None, idx())
 
 
 def test_device_buffer_that_is_not_a_target_does_not_require_device_ids() -> None:
@@ -593,6 +623,27 @@ def test_applied_plan_moves_the_right_bytes_hisparse() -> None:
         want_device[device_pages] = src[layer][prefill]
         np.testing.assert_array_equal(host[layer], want_host)
         np.testing.assert_array_equal(device[layer], want_device)
+
+
+def test_applied_plan_moves_the_right_bytes_all_device_peer() -> None:
+    """A non-HiSparse GPU decode: every buffer marked device (numpy stands in), addressed by dst_kv_indices."""
+    rng = np.random.default_rng(7)
+    src_k = [rng.integers(1, 256, size=(12, 32), dtype=np.uint8) for _ in range(2)]
+    src_v = [rng.integers(1, 256, size=(12, 32), dtype=np.uint8) for _ in range(2)]
+    dst_k = [rng.integers(1, 256, size=(20, 32), dtype=np.uint8) for _ in range(2)]
+    dst_v = [rng.integers(1, 256, size=(20, 32), dtype=np.uint8) for _ in range(2)]
+    before = [a.copy() for a in dst_k + dst_v]
+    local = KVLayout.mha(src_k, src_v)
+    peer = KVLayout.mha(dst_k, dst_v, memory="device")
+    assert all(b.memory == "device" for b in peer.buffers)
+    prefill = np.array([0, 1, 2, 9, 4], dtype=np.int32)
+    dst_pages = np.array([17, 18, 19, 0, 5], dtype=np.int32)
+    plan = plan_transfer(local, peer, prefill, ptrs(peer), dst_pages)
+    apply(plan, local, peer)
+    for got, want, src in zip(dst_k + dst_v, before, src_k + src_v, strict=True):
+        want[dst_pages] = src[prefill]
+        np.testing.assert_array_equal(got, want)
+    assert len(plan) == 3 * 4  # runs [0,1,2], [9], [4] per buffer pair
 
 
 def test_llama_sized_plan_counts() -> None:

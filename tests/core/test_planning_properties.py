@@ -5,6 +5,11 @@ layer mapping, host-only / device-only / split-by-layer / host+device peers),
 draws fragmented page sets, applies the plan with ``memmove`` and compares every
 byte of every buffer with what a plain Python loop, one page at a time, says
 must happen.
+
+The destination rule the reference applies: when the targeted peer buffers mix
+host and device memory, host targets take ``dst_kv_indices`` and device targets
+``dst_device_kv_indices``; when they are all of one kind, every target takes
+``dst_kv_indices`` and no device ids are passed.
 """
 
 from __future__ import annotations
@@ -14,10 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from numpy.typing import NDArray
 
+from kvwire.errors import InvalidTransferError
 from kvwire.layout import KVBuffer, KVLayout, MemoryKind, Role
 from kvwire.planning import TransferPlan, plan_transfer
 
@@ -111,22 +118,40 @@ def cases(draw: st.DrawFn) -> Case:
     peer_arrays = [random_pages(host_pages if m == "host" else device_pages) for _, _, m in peer_specs]
     peer = KVLayout(tuple(buffer(a, *spec) for a, spec in zip(peer_arrays, peer_specs, strict=True)))
 
+    # the kinds of the targets (a mapped-away buffer does not count) decide which ids address what
+    kinds = {peer.buffers[j].memory for _, j in pair_targets(local, peer, layer_ids)}
+    mixed = len(kinds) == 2
+    # dst_kv_indices addresses the host targets when mixed, else every target (of the one kind)
+    host_space = host_pages if mixed or kinds == {"host"} else device_pages
     prefill = page_ids(rng, modes[0], n, local_pages).astype(int_type)
-    host = page_ids(rng, modes[1], n, host_pages).astype(int_type)
-    case = Case(local, peer, local_arrays, peer_arrays, prefill, host, None, layer_ids)
-    # device page ids exactly when some target is a device buffer (a mapped-away one does not count)
-    if any(peer.buffers[j].memory == "device" for _, j in targets(case)):
-        case.device = page_ids(rng, modes[2], n, device_pages).astype(int_type)
-    return case
+    host = page_ids(rng, modes[1], n, host_space).astype(int_type)
+    device = page_ids(rng, modes[2], n, device_pages).astype(int_type) if mixed else None
+    return Case(local, peer, local_arrays, peer_arrays, prefill, host, device, layer_ids)
+
+
+def pair_targets(local: KVLayout, peer: KVLayout, layer_ids: list[int] | None) -> list[tuple[int, int]]:
+    """(local buffer, peer buffer) pairs, the naive way."""
+    out = []
+    for i, lb in enumerate(local.buffers):
+        layer = lb.layer if layer_ids is None else layer_ids[local.layers.index(lb.layer)]
+        out += [(i, j) for j, pb in enumerate(peer.buffers) if pb.layer == layer and pb.role == lb.role]
+    return out
 
 
 def targets(case: Case) -> list[tuple[int, int]]:
-    """(local buffer, peer buffer) pairs, the naive way."""
-    out = []
-    for i, lb in enumerate(case.local.buffers):
-        layer = lb.layer if case.layer_ids is None else case.layer_ids[case.local.layers.index(lb.layer)]
-        out += [(i, j) for j, pb in enumerate(case.peer.buffers) if pb.layer == layer and pb.role == lb.role]
-    return out
+    return pair_targets(case.local, case.peer, case.layer_ids)
+
+
+def targets_mix_kinds(case: Case) -> bool:
+    return len({case.peer.buffers[j].memory for _, j in targets(case)}) == 2
+
+
+def dst_ids_of(case: Case, j: int) -> NDArray[Any]:
+    """The destination page ids of peer buffer ``j``: split by kind only when the targets mix kinds."""
+    if targets_mix_kinds(case) and case.peer.buffers[j].memory == "device":
+        assert case.device is not None
+        return case.device
+    return case.host
 
 
 def reference_pages(case: Case) -> list[tuple[int, int, int]]:
@@ -134,8 +159,7 @@ def reference_pages(case: Case) -> list[tuple[int, int, int]]:
     out = []
     for i, j in targets(case):
         lb, pb = case.local.buffers[i], case.peer.buffers[j]
-        dst_ids = case.host if pb.memory == "host" else case.device
-        assert dst_ids is not None
+        dst_ids = dst_ids_of(case, j)
         for k in range(len(case.prefill)):
             out.append((lb.base + int(case.prefill[k]) * lb.page_bytes, pb.base + int(dst_ids[k]) * pb.page_bytes,
                         lb.page_bytes))
@@ -168,8 +192,7 @@ def test_same_bytes_land_in_the_same_places_and_nothing_else_changes(case: Case)
     local_before = [a.copy() for a in case.local_arrays]
     expected = [a.copy() for a in case.peer_arrays]
     for i, j in targets(case):  # the reference, one page at a time
-        dst_ids = case.host if case.peer.buffers[j].memory == "host" else case.device
-        assert dst_ids is not None
+        dst_ids = dst_ids_of(case, j)
         for k in range(len(case.prefill)):
             expected[j][int(dst_ids[k])] = case.local_arrays[i][int(case.prefill[k])]
 
@@ -204,9 +227,7 @@ def test_descriptors_equal_the_per_page_reference(case: Case, coalesce: bool) ->
     else:  # runs are maximal: exactly as many descriptors as the naive run count
         expected = 0
         for _, j in pairs:
-            dst_ids = case.host if case.peer.buffers[j].memory == "host" else case.device
-            assert dst_ids is not None
-            expected += naive_runs(case.prefill, dst_ids)
+            expected += naive_runs(case.prefill, dst_ids_of(case, j))
         assert len(plan) == expected
 
     # no two descriptors overlap at the destination
@@ -230,3 +251,17 @@ def test_chunks_concatenate_to_the_plan(case: Case, size: int) -> None:
     for field in ("src", "dst", "length"):
         joined = np.concatenate([getattr(c, field) for c in chunks]) if chunks else np.zeros(0, np.int64)
         np.testing.assert_array_equal(joined, getattr(plan, field))
+
+
+@SETTINGS
+@given(cases())
+def test_device_ids_are_required_exactly_when_targets_mix_kinds(case: Case) -> None:
+    """Omitting device ids for mixed targets, or passing them for one-kind targets, is rejected."""
+    if case.device is not None:  # mixed: leaving them out is an error
+        case.device = None
+        with pytest.raises(InvalidTransferError, match=r"^dst_device_kv_indices is None, but .* mix host and device"):
+            plan_of(case)
+    else:  # one kind: giving them is an error
+        case.device = case.host.copy()
+        with pytest.raises(InvalidTransferError, match=r"^dst_device_kv_indices was given, but .* are all"):
+            plan_of(case)

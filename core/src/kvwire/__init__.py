@@ -26,6 +26,7 @@ from kvwire.errors import (
 from kvwire.findings import Finding
 from kvwire.layout import KVBuffer, KVLayout, LayoutError
 from kvwire.markers import ENTRY_POINT_GROUP, hookimpl, hookspec
+from kvwire.planning import TransferPlan, plan_transfer
 from kvwire.registry import BackendInfo, Registry, connect, default_registry, register_backend
 from kvwire.spec import SPEC_HISTORY, SPEC_VERSION, BackendSpec, SpecVersion
 from kvwire.validator import ValidationResult, validate_backend
@@ -57,6 +58,7 @@ __all__ = [
     "Registry",
     "SpecVersion",
     "TransferError",
+    "TransferPlan",
     "TransferTimeoutError",
     "UnsupportedFeatureError",
     "ValidationResult",
@@ -65,6 +67,7 @@ __all__ = [
     "default_registry",
     "hookimpl",
     "hookspec",
+    "plan_transfer",
     "register_backend",
     "validate_backend",
 ]

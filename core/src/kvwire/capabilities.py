@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-__all__ = ["FEATURES", "PARAMETER_FEATURES"]
+__all__ = ["FEATURES", "FEATURE_DISTRIBUTIONS", "PARAMETER_FEATURES"]
 
 #: Every known feature name, with what it promises.
 FEATURES: Mapping[str, str] = MappingProxyType(
@@ -28,3 +28,6 @@ FEATURES: Mapping[str, str] = MappingProxyType(
 PARAMETER_FEATURES: Mapping[str, str] = MappingProxyType(
     {"dst_layer_ids": "layer_ids", "dst_device_kv_indices": "device_kv_indices"}
 )
+
+#: Features whose reference implementation ships as its own distribution (named in errors).
+FEATURE_DISTRIBUTIONS: Mapping[str, str] = MappingProxyType({"device_kv_indices": "kvwire-hisparse"})

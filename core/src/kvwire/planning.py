@@ -6,11 +6,22 @@ and optional HiSparse device page ids) into flat ``(src, dst, length)`` arrays
 for one batch call of a transport engine. Keeping it in one place means the
 arithmetic, the coalescing and the bounds checks cannot drift between backends.
 
+Destination page ids. A buffer's memory kind (``"host"`` or ``"device"``)
+says where its bytes live, not which page ids address it. The peer's page-id
+space is split only when the buffers targeted by a request mix kinds (HiSparse:
+some layers land in host DRAM, others in a device cache, each with its own page
+ids): then host targets take ``dst_kv_indices`` and device targets take
+``dst_device_kv_indices``. When every target has one kind (an ordinary GPU
+decode, whose torch tensors :class:`~kvwire.layout.KVLayout` marks ``"device"``,
+or a host-only peer) every target takes ``dst_kv_indices``, as sglang passes
+them, and ``dst_device_kv_indices`` must be ``None``.
+
 Every input is validated before a plan is returned; every failure raises
 :class:`~kvwire.errors.InvalidTransferError` naming the argument and the first
 offending position and value. The work is vectorised with numpy: runs of
-consecutive pages are found once per destination index set (host / device) and
-broadcast across all buffer pairs, with no Python loop per layer or per page.
+consecutive pages are found once per destination index set (one, or host and
+device when split) and broadcast across all buffer pairs, with no Python loop
+per layer or per page.
 """
 
 from __future__ import annotations
@@ -31,7 +42,6 @@ __all__ = ["TransferPlan", "plan_transfer"]
 _I64 = np.int64
 _EMPTY_I64: Final[NDArray[np.int64]] = np.zeros(0, dtype=np.int64)
 _EMPTY_I64.setflags(write=False)
-_NO_LIMIT: Final = 1 << 63  # above every int64: only negative ids (seen as uint64) exceed it
 
 
 _max = np.maximum.reduce
@@ -122,9 +132,14 @@ def _col(values: Sequence[int]) -> NDArray[np.int64]:
 
 @dataclass(frozen=True, eq=False)
 class _Group:
-    """The buffer pairs whose target has one memory kind (so one destination index set)."""
+    """The buffer pairs that share one destination index set.
 
-    memory: MemoryKind
+    Every pair when the targets all have one memory kind; else the pairs whose
+    target has memory kind ``memory`` (a split destination).
+    """
+
+    memory: MemoryKind  # of every target in the group
+    device_ids: bool  # destination ids come from dst_device_kv_indices, not dst_kv_indices
     index_name: str  # the argument holding this group's destination page ids
     pair_pos: NDArray[np.int64]  # positions of these pairs in the global pair order, ascending
     contiguous: bool  # pair_pos is a contiguous range: write a block, no scatter
@@ -148,13 +163,12 @@ class _Pairing:
 
     local: KVLayout
     peer: KVLayout
-    groups: tuple[_Group, ...]  # host group first, then device; empty groups left out
+    groups: tuple[_Group, ...]  # one group; or, split, the host group then the device group
     pair_group: NDArray[np.int64]  # group number of each pair, in global pair order
     num_pairs: int
     src_limit: int  # fewest pages among local buffers: every prefill id must be below it
     peer_bases: list[int]
-    device_target: int  # a peer buffer index that is a device target, or -1
-    has_host_target: bool
+    split: tuple[int, int] | None  # targets mix kinds: (first host target, first device target)
 
 
 def _check_layer_ids(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int]) -> dict[int, int]:
@@ -212,11 +226,14 @@ def _build_pairing(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int]
                 )
             pairs.append((i, j))
     kinds = [peer.buffers[j].memory for _, j in pairs]
+    split = "host" in kinds and "device" in kinds  # a split destination: two page-id spaces
+    parts: list[tuple[MemoryKind, bool, list[int]]]
+    if split:
+        parts = [(m, m == "device", [k for k, kind in enumerate(kinds) if kind == m]) for m in ("host", "device")]
+    else:  # one memory kind: every target takes dst_kv_indices, whatever the kind
+        parts = [(kinds[0], False, list(range(len(pairs))))]
     groups = []
-    for memory in ("host", "device"):
-        pos = [k for k, kind in enumerate(kinds) if kind == memory]
-        if not pos:
-            continue
+    for memory, device_ids, pos in parts:
         src_ids = tuple(pairs[k][0] for k in pos)
         dst_ids = tuple(pairs[k][1] for k in pos)
         srcs = [local.buffers[i] for i in src_ids]
@@ -225,7 +242,8 @@ def _build_pairing(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int]
         groups.append(
             _Group(
                 memory=memory,
-                index_name="dst_kv_indices" if memory == "host" else "dst_device_kv_indices",
+                device_ids=device_ids,
+                index_name="dst_device_kv_indices" if device_ids else "dst_kv_indices",
                 pair_pos=_frozen(np.array(pos, dtype=_I64)),
                 contiguous=pos[-1] - pos[0] + 1 == len(pos),
                 src_ids=src_ids,
@@ -238,17 +256,15 @@ def _build_pairing(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int]
                 dst_limit=min(b.num_pages for b in dsts),
             )
         )
-    device_targets = [j for j, kind in zip((j for _, j in pairs), kinds, strict=True) if kind == "device"]
     return _Pairing(
         local=local,
         peer=peer,
         groups=tuple(groups),
-        pair_group=_frozen(np.array([0 if k == groups[0].memory else 1 for k in kinds], dtype=_I64)),
+        pair_group=_frozen(np.array([int(split and k == "device") for k in kinds], dtype=_I64)),
         num_pairs=len(pairs),
         src_limit=min(b.num_pages for b in local.buffers),
         peer_bases=[b.base for b in peer.buffers],
-        device_target=device_targets[0] if device_targets else -1,
-        has_host_target="host" in kinds,
+        split=(pairs[kinds.index("host")][1], pairs[kinds.index("device")][1]) if split else None,
     )
 
 
@@ -437,11 +453,17 @@ def plan_transfer(
     layer ``D`` and role ``r``, where ``D = L``, or ``dst_layer_ids[i]`` when
     given, ``i`` being the position of ``L`` in ``local.layers`` (a pipeline
     stage holding some layers maps them onto the peer's global layer ids).
-    Source page ``j`` is ``prefill_kv_indices[j]``; in a peer host buffer it
-    lands on page ``dst_kv_indices[j]``, in a peer device buffer on page
-    ``dst_device_kv_indices[j]`` (HiSparse: independent page ids; the argument
-    is required exactly when some target is a device buffer). ``dst_kv_ptrs``
-    are the peer's buffer bases in ``peer.buffers`` order, checked against it.
+    Source page ``j`` is ``prefill_kv_indices[j]``; it lands on page
+    ``dst_kv_indices[j]`` of every target, except when the targeted peer
+    buffers (after layer mapping) mix host and device memory: then it lands on
+    page ``dst_kv_indices[j]`` of the host targets and on page
+    ``dst_device_kv_indices[j]`` of the device targets (HiSparse: independent
+    page ids). A buffer's memory kind says where its bytes live; the page-id
+    space is split only for such a mixed request, so an ordinary GPU decode
+    (all targets ``"device"``) is addressed by ``dst_kv_indices`` as sglang
+    does. ``dst_device_kv_indices`` is required for a mixed request and must
+    be ``None`` otherwise. ``dst_kv_ptrs`` are the peer's buffer bases in
+    ``peer.buffers`` order, checked against it.
 
     With ``coalesce``, pages where both the source and the destination ids go
     up by one are merged into one descriptor. Descriptors are ordered by buffer
@@ -457,17 +479,19 @@ def plan_transfer(
     host_pages = _as_indices("dst_kv_indices", dst_kv_indices)
     device_pages: NDArray[np.int64] | None = None
     if dst_device_kv_indices is not None:
-        if pairing.device_target < 0:
+        if pairing.split is None:
             raise InvalidTransferError(
-                "dst_device_kv_indices was given, but no target buffer in the peer layout is a device "
-                "buffer: pass None (only HiSparse-style peers with device buffers take device page ids)"
+                f"dst_device_kv_indices was given, but the peer's targeted buffers are all "
+                f"{pairing.groups[0].memory} buffers, so there is no split destination: every target takes "
+                "dst_kv_indices; pass None (device page ids are only for targets that mix host and device memory)"
             )
         device_pages = _as_indices("dst_device_kv_indices", dst_device_kv_indices)
-    elif pairing.device_target >= 0:
-        j = pairing.device_target
+    elif pairing.split is not None:
+        h, d = pairing.split
         raise InvalidTransferError(
-            f"dst_device_kv_indices is None, but {_peer_name(j, peer.buffers[j])} is a target: "
-            "device buffers take their page ids from dst_device_kv_indices"
+            f"dst_device_kv_indices is None, but the peer's targeted buffers mix host and device memory "
+            f"({_peer_name(h, peer.buffers[h])} and {_peer_name(d, peer.buffers[d])} are both targets), "
+            "so device buffers need their own page ids: pass dst_device_kv_indices"
         )
     n = src_pages.shape[0]
     for name, pages in (("dst_kv_indices", host_pages), ("dst_device_kv_indices", device_pages)):
@@ -482,12 +506,10 @@ def plan_transfer(
         "prefill_kv_indices", src_pages, pairing.src_limit,
         layout=local, ids=range(len(local.buffers)), describe=_local_name,
     )
-    if not pairing.has_host_target:  # dst_kv_indices addresses nothing, but negative ids are still wrong
-        _check_range("dst_kv_indices", host_pages, _NO_LIMIT, layout=peer, ids=(), describe=_peer_name)
     planned: list[tuple[_Group, _Runs]] = []
-    for g in pairing.groups:  # at most two: host, device
-        pages = host_pages if g.memory == "host" else device_pages
-        assert pages is not None  # guaranteed by the device check above
+    for g in pairing.groups:  # one, or (split) host then device
+        pages = device_pages if g.device_ids else host_pages
+        assert pages is not None  # guaranteed by the split check above
         _check_range(g.index_name, pages, g.dst_limit, layout=peer, ids=g.dst_ids, describe=_peer_name)
         runs = _runs(src_pages, pages, coalesce)
         _safety_net(pairing, g, runs)

@@ -19,6 +19,7 @@ from functools import cache
 from importlib import metadata
 from typing import Any, Literal
 
+from kvwire.capabilities import FEATURE_DISTRIBUTIONS, FEATURES
 from kvwire.config import BackendConfig
 from kvwire.connection import Connection
 from kvwire.errors import (
@@ -323,8 +324,6 @@ class Registry:
         with the installed backends that do support it named.
         """
         wanted = frozenset(features)
-        from kvwire.capabilities import FEATURES
-
         unknown = sorted(wanted - set(FEATURES))
         if unknown:
             raise ConfigError(f"features: unknown feature(s) {unknown}; known: {', '.join(FEATURES)}")
@@ -332,9 +331,10 @@ class Registry:
         lacking = sorted(wanted - info.capabilities)
         if lacking:
             others = [f"{i.name} ({i.distribution or 'runtime'})" for i in self.supporting(wanted)]
-            hint = (
-                f"backends that support them: {', '.join(others)}" if others else "no installed backend supports them"
-            )
+            hint = f"backends that support them: {', '.join(others)}" if others else "no installed backend supports them"
+            providers = sorted({FEATURE_DISTRIBUTIONS[f] for f in lacking if f in FEATURE_DISTRIBUTIONS})
+            if providers and not others:
+                hint += f" (install {', '.join(providers)})"
             raise UnsupportedFeatureError(
                 f"backend {name!r} ({info.distribution or 'runtime'}, spec {info.spec_version}) does not support "
                 f"required feature(s) {lacking}; {hint}"

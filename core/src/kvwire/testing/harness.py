@@ -59,15 +59,16 @@ def expected_buffers(
     """The receiver's buffers after a correct transfer (copies of ``dst`` updated page by page)."""
     out = [a.copy() for a in dst]
     local_layers = list(local.layers)
+    pairs = []
     for i, sbuf in enumerate(local.buffers):
         layer = sbuf.layer if dst_layer_ids is None else dst_layer_ids[local_layers.index(sbuf.layer)]
-        for j, dbuf in enumerate(peer.buffers):
-            if dbuf.layer != layer or dbuf.role != sbuf.role:
-                continue
-            pages = dst_device_pages if dbuf.memory == "device" else dst_pages
-            assert pages is not None
-            for k in range(len(prefill)):
-                out[j][int(pages[k])] = src[i][int(prefill[k])]
+        pairs += [(i, j) for j, d in enumerate(peer.buffers) if d.layer == layer and d.role == sbuf.role]
+    split = len({peer.buffers[j].memory for _, j in pairs}) > 1  # page ids split only when targets mix kinds
+    for i, j in pairs:
+        pages = dst_device_pages if split and peer.buffers[j].memory == "device" else dst_pages
+        assert pages is not None
+        for k in range(len(prefill)):
+            out[j][int(pages[k])] = src[i][int(prefill[k])]
     return out
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from kvwire.config import BackendConfig
 from kvwire.testing.harness import ContractHarness
 
 
@@ -46,5 +47,13 @@ def kvwire_two_process(request: pytest.FixtureRequest) -> bool:
 
 
 @pytest.fixture(scope="session")
-def kvwire_harness(kvwire_backend_name: str, kvwire_two_process: bool) -> ContractHarness:
-    return ContractHarness(kvwire_backend_name, two_process=kvwire_two_process)
+def kvwire_backend_config() -> BackendConfig | None:
+    """The BackendConfig both endpoints are created with (None: defaults); override to set options."""
+    return None
+
+
+@pytest.fixture(scope="session")
+def kvwire_harness(
+    kvwire_backend_name: str, kvwire_two_process: bool, kvwire_backend_config: BackendConfig | None
+) -> ContractHarness:
+    return ContractHarness(kvwire_backend_name, two_process=kvwire_two_process, config=kvwire_backend_config)
