@@ -39,7 +39,7 @@ setup: syspkgs $(VENV)/.stamp-install
 
 demo: setup
 	$(VENV)/bin/kvwire check
-	$(VENV)/bin/kvwire bench --backend mooncake --preset llama3-8b --requests 32 --tokens 4096
+	$(VENV)/bin/kvwire bench --backend mooncake --preset llama3-8b --requests 8 --tokens 4096 --compare-raw --compare-uncoalesced
 
 test: setup
 	$(PY) -m pytest tests

@@ -42,18 +42,28 @@ PAGE_BYTES = 32 * 1024
 PAGES_PER_BUFFER = 65536
 PAGES = (256, 2048, 8192)
 MEAN_RUNS = (1, 8, 64)
-COLUMNS = ("pages", "mean_run", "buffers", "kvwire_us", "baseline_us", "speedup",
-           "descriptors_before", "descriptors_after")
+COLUMNS = (
+    "pages",
+    "mean_run",
+    "buffers",
+    "kvwire_us",
+    "baseline_us",
+    "speedup",
+    "descriptors_before",
+    "descriptors_after",
+)
 
 
 def make_layout(first_base: int) -> KVLayout:
     """sglang's order: K of every layer, then V of every layer; buffers back to back."""
     stride = PAGE_BYTES * PAGES_PER_BUFFER
     specs = [(layer, role) for role in ("k", "v") for layer in range(LAYERS)]
-    return KVLayout(tuple(
-        KVBuffer(first_base + i * stride, PAGE_BYTES, PAGES_PER_BUFFER, layer, role)  # type: ignore[arg-type]
-        for i, (layer, role) in enumerate(specs)
-    ))
+    return KVLayout(
+        tuple(
+            KVBuffer(first_base + i * stride, PAGE_BYTES, PAGES_PER_BUFFER, layer, role)  # type: ignore[arg-type]
+            for i, (layer, role) in enumerate(specs)
+        )
+    )
 
 
 def run_lengths(rng: np.random.Generator, pages: int, mean_run: int) -> NDArray[np.int64]:
@@ -168,16 +178,18 @@ def bench(seed: int = 0) -> list[dict[str, Any]]:
                 raise SystemExit(f"MISMATCH at pages={pages} mean_run={mean_run}: kvwire and baseline differ")
             kv_us = median_us(ours)
             base_us = median_us(theirs)
-            rows.append({
-                "pages": pages,
-                "mean_run": mean_run,
-                "buffers": len(local.buffers),
-                "kvwire_us": round(kv_us, 1),
-                "baseline_us": round(base_us, 1),
-                "speedup": round(base_us / kv_us, 1),
-                "descriptors_before": plan.descriptors_before,
-                "descriptors_after": len(plan),
-            })
+            rows.append(
+                {
+                    "pages": pages,
+                    "mean_run": mean_run,
+                    "buffers": len(local.buffers),
+                    "kvwire_us": round(kv_us, 1),
+                    "baseline_us": round(base_us, 1),
+                    "speedup": round(base_us / kv_us, 1),
+                    "descriptors_before": plan.descriptors_before,
+                    "descriptors_after": len(plan),
+                }
+            )
     return rows
 
 
@@ -197,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows))
     else:
-        print(f"transfer planning: {LAYERS} layers x (K, V) = {2 * LAYERS} buffers, {PAGE_BYTES // 1024} KiB pages;"
-              " median wall time per request (both sides fragmented)")
+        print(
+            f"transfer planning: {LAYERS} layers x (K, V) = {2 * LAYERS} buffers, {PAGE_BYTES // 1024} KiB pages;"
+            " median wall time per request (both sides fragmented)"
+        )
         print_table(rows)
     return 0
 

@@ -47,11 +47,13 @@ def apply(plan: TransferPlan, local: KVLayout, peer: KVLayout) -> None:
 def hisparse() -> tuple[KVLayout, KVLayout]:
     """The known HiSparse vector: MLA, layer 0 lands in host DRAM, layers 1 and 2 on the device."""
     local = KVLayout(tuple(KVBuffer(1000 * (i + 1), 100, 9, i) for i in range(3)))
-    peer = KVLayout((
-        KVBuffer(10000, 100, 50, 0, memory="host"),
-        KVBuffer(20000, 100, 50, 1, memory="device"),
-        KVBuffer(30000, 100, 50, 2, memory="device"),
-    ))
+    peer = KVLayout(
+        (
+            KVBuffer(10000, 100, 50, 0, memory="host"),
+            KVBuffer(20000, 100, 50, 1, memory="device"),
+            KVBuffer(30000, 100, 50, 2, memory="device"),
+        )
+    )
     return local, peer
 
 
@@ -59,17 +61,21 @@ def mha(layers: list[int], first_base: int, page_bytes: int = 64, pages: int = 1
     """K of every layer, then V of every layer (sglang's order), buffers back to back."""
     specs = [(layer, role) for role in ("k", "v") for layer in layers]
     stride = page_bytes * pages
-    return KVLayout(tuple(
-        KVBuffer(first_base + i * stride, page_bytes, pages, layer, role)  # type: ignore[arg-type]
-        for i, (layer, role) in enumerate(specs)
-    ))
+    return KVLayout(
+        tuple(
+            KVBuffer(first_base + i * stride, page_bytes, pages, layer, role)  # type: ignore[arg-type]
+            for i, (layer, role) in enumerate(specs)
+        )
+    )
 
 
 def mla(n: int, first_base: int, page_bytes: int = 64, pages: int = 16, memory: str = "host") -> KVLayout:
-    return KVLayout(tuple(
-        KVBuffer(first_base + i * page_bytes * pages, page_bytes, pages, i, "kv", memory)  # type: ignore[arg-type]
-        for i in range(n)
-    ))
+    return KVLayout(
+        tuple(
+            KVBuffer(first_base + i * page_bytes * pages, page_bytes, pages, i, "kv", memory)  # type: ignore[arg-type]
+            for i in range(n)
+        )
+    )
 
 
 # -- arithmetic ----------------------------------------------------------------------
@@ -88,9 +94,12 @@ def test_hisparse_known_vector_without_coalescing(hisparse: tuple[KVLayout, KVLa
     local, peer = hisparse
     plan = plan_transfer(local, peer, idx(1, 2), ptrs(peer), idx(7, 8), None, idx(21, 22), coalesce=False)
     assert triples(plan) == [
-        (1100, 10700, 100), (1200, 10800, 100),
-        (2100, 22100, 100), (2200, 22200, 100),
-        (3100, 32100, 100), (3200, 32200, 100),
+        (1100, 10700, 100),
+        (1200, 10800, 100),
+        (2100, 22100, 100),
+        (2200, 22200, 100),
+        (3100, 32100, 100),
+        (3200, 32200, 100),
     ]
     assert plan.descriptors_before == 6
 
@@ -170,20 +179,28 @@ def test_order_is_by_buffer_pair_then_run() -> None:
 def test_split_destinations_interleaved_by_local_buffer() -> None:
     """Each local buffer has a host and a device target: the host target comes first (peer order)."""
     local = mla(2, 1 << 20)
-    peer = KVLayout((
-        KVBuffer(1 << 30, 64, 16, 0, memory="host"),
-        KVBuffer((1 << 30) + 4096, 64, 16, 1, memory="host"),
-        KVBuffer(1 << 30, 64, 16, 0, memory="device"),  # same addresses, another memory kind: allowed
-        KVBuffer((1 << 30) + 8192, 64, 16, 1, memory="device"),
-    ))
+    peer = KVLayout(
+        (
+            KVBuffer(1 << 30, 64, 16, 0, memory="host"),
+            KVBuffer((1 << 30) + 4096, 64, 16, 1, memory="host"),
+            KVBuffer(1 << 30, 64, 16, 0, memory="device"),  # same addresses, another memory kind: allowed
+            KVBuffer((1 << 30) + 8192, 64, 16, 1, memory="device"),
+        )
+    )
     plan = plan_transfer(local, peer, idx(0, 1, 5), ptrs(peer), idx(2, 3, 4), None, idx(9, 1, 2))
     l0, l1, h0, h1, d0, d1 = (1 << 20), (1 << 20) + 1024, 1 << 30, (1 << 30) + 4096, 1 << 30, (1 << 30) + 8192
     # host runs: [0,1]->[2,3], [5]->[4]; device runs: [0]->[9], [1]->[1], [5]->[2] (found once per index set)
     assert triples(plan) == [
-        (l0, h0 + 128, 128), (l0 + 320, h0 + 256, 64),  # local 0 -> peer 0 (host)
-        (l0, d0 + 576, 64), (l0 + 64, d0 + 64, 64), (l0 + 320, d0 + 128, 64),  # local 0 -> peer 2 (device)
-        (l1, h1 + 128, 128), (l1 + 320, h1 + 256, 64),  # local 1 -> peer 1 (host)
-        (l1, d1 + 576, 64), (l1 + 64, d1 + 64, 64), (l1 + 320, d1 + 128, 64),  # local 1 -> peer 3 (device)
+        (l0, h0 + 128, 128),
+        (l0 + 320, h0 + 256, 64),  # local 0 -> peer 0 (host)
+        (l0, d0 + 576, 64),
+        (l0 + 64, d0 + 64, 64),
+        (l0 + 320, d0 + 128, 64),  # local 0 -> peer 2 (device)
+        (l1, h1 + 128, 128),
+        (l1 + 320, h1 + 256, 64),  # local 1 -> peer 1 (host)
+        (l1, d1 + 576, 64),
+        (l1 + 64, d1 + 64, 64),
+        (l1 + 320, d1 + 128, 64),  # local 1 -> peer 3 (device)
     ]
     assert plan.descriptors_before == 3 * 4
 
@@ -253,12 +270,15 @@ def test_chunks_are_consecutive_views() -> None:
     assert [len(c) for c in plan.chunks(1)] == [1] * 12
 
 
-@pytest.mark.parametrize(("bad", "message"), [
-    (0, "max_descriptors must be >= 1, got 0"),
-    (-3, "max_descriptors must be >= 1, got -3"),
-    (True, "max_descriptors must be an int, got bool True"),
-    (2.5, "max_descriptors must be an int, got float 2.5"),
-])
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (0, "max_descriptors must be >= 1, got 0"),
+        (-3, "max_descriptors must be >= 1, got -3"),
+        (True, "max_descriptors must be an int, got bool True"),
+        (2.5, "max_descriptors must be an int, got float 2.5"),
+    ],
+)
 def test_chunks_rejects_bad_size(bad: Any, message: str) -> None:
     with pytest.raises(InvalidTransferError, match=re.escape(message)):
         TransferPlan.empty().chunks(bad)  # raises at the call, before iteration
@@ -357,26 +377,34 @@ def test_host_index_range_ignores_device_buffers(hisparse: tuple[KVLayout, KVLay
 
 def test_all_device_peer_checks_dst_kv_indices_against_device_buffers() -> None:
     local = mla(2, 1 << 20)
-    peer = KVLayout((
-        KVBuffer(1 << 30, 64, 16, 0, memory="device"),
-        KVBuffer(1 << 31, 64, 10, 1, memory="device"),
-    ))
+    peer = KVLayout(
+        (
+            KVBuffer(1 << 30, 64, 16, 0, memory="device"),
+            KVBuffer(1 << 31, 64, 10, 1, memory="device"),
+        )
+    )
     with raises("dst_kv_indices[1] = 10 is out of range: peer buffer 1 (layer 1, kv, device) has 10 pages"):
         plan_transfer(local, peer, idx(0, 1), ptrs(peer), idx(9, 10))
     with raises("dst_kv_indices[0] = -1 is negative"):
         plan_transfer(local, peer, idx(0, 1), ptrs(peer), idx(-1, 3))
 
 
-@pytest.mark.parametrize(("value", "message"), [
-    ([1, 2], "prefill_kv_indices must be a 1-D numpy integer array, got list"),
-    ((1, 2), "prefill_kv_indices must be a 1-D numpy integer array, got tuple"),
-    (None, "prefill_kv_indices must be a 1-D numpy integer array, got NoneType"),
-    (np.zeros((1, 2), dtype=np.int32), "prefill_kv_indices must be a 1-D numpy integer array, got shape (1, 2)"),
-    (np.int32(3), "prefill_kv_indices must be a 1-D numpy integer array, got int32"),
-    (np.array([1.0, 2.0]), "prefill_kv_indices must have an integer dtype (int32 or int64), got float64"),
-    (np.array([True, False]), "prefill_kv_indices must have an integer dtype (int32 or int64), got bool"),
-    (np.array([1, 2], dtype=np.uint64), "prefill_kv_indices must have an integer dtype (int32 or int64), got uint64"),
-])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ([1, 2], "prefill_kv_indices must be a 1-D numpy integer array, got list"),
+        ((1, 2), "prefill_kv_indices must be a 1-D numpy integer array, got tuple"),
+        (None, "prefill_kv_indices must be a 1-D numpy integer array, got NoneType"),
+        (np.zeros((1, 2), dtype=np.int32), "prefill_kv_indices must be a 1-D numpy integer array, got shape (1, 2)"),
+        (np.int32(3), "prefill_kv_indices must be a 1-D numpy integer array, got int32"),
+        (np.array([1.0, 2.0]), "prefill_kv_indices must have an integer dtype (int32 or int64), got float64"),
+        (np.array([True, False]), "prefill_kv_indices must have an integer dtype (int32 or int64), got bool"),
+        (
+            np.array([1, 2], dtype=np.uint64),
+            "prefill_kv_indices must have an integer dtype (int32 or int64), got uint64",
+        ),
+    ],
+)
 def test_prefill_indices_type(value: Any, message: str) -> None:
     local, peer = mla(1, 1 << 20), mla(1, 1 << 30)
     with raises(message):
@@ -407,23 +435,29 @@ def test_lengths_must_match(hisparse: tuple[KVLayout, KVLayout]) -> None:
 
 def test_device_ids_required_when_targets_mix_kinds(hisparse: tuple[KVLayout, KVLayout]) -> None:
     local, peer = hisparse
-    with raises("dst_device_kv_indices is None, but the peer's targeted buffers mix host and device memory "
-                "(peer buffer 0 (layer 0, kv, host) and peer buffer 1 (layer 1, kv, device) are both targets), "
-                "so device buffers need their own page ids"):
+    with raises(
+        "dst_device_kv_indices is None, but the peer's targeted buffers mix host and device memory "
+        "(peer buffer 0 (layer 0, kv, host) and peer buffer 1 (layer 1, kv, device) are both targets), "
+        "so device buffers need their own page ids"
+    ):
         plan_transfer(local, peer, idx(1, 2), ptrs(peer), idx(7, 8))
 
 
 def test_device_ids_rejected_for_all_host_targets() -> None:
     local, peer = mla(2, 1 << 20), mla(2, 1 << 30)
-    with raises("dst_device_kv_indices was given, but the peer's targeted buffers are all host buffers, "
-                "so there is no split destination"):
+    with raises(
+        "dst_device_kv_indices was given, but the peer's targeted buffers are all host buffers, "
+        "so there is no split destination"
+    ):
         plan_transfer(local, peer, idx(1), ptrs(peer), idx(1), None, idx(1))
 
 
 def test_device_ids_rejected_for_all_device_targets() -> None:
     local, peer = mla(2, 1 << 20), mla(2, 1 << 30, memory="device")
-    with raises("dst_device_kv_indices was given, but the peer's targeted buffers are all device buffers, "
-                "so there is no split destination"):
+    with raises(
+        "dst_device_kv_indices was given, but the peer's targeted buffers are all device buffers, "
+        "so there is no split destination"
+    ):
         plan_transfer(local, peer, idx(0, 1), ptrs(peer), idx(3, 3), None, idx(4, 5))
     with raises("dst_device_kv_indices was given"):  # even an empty request: the rule does not depend on n
         plan_transfer(local, peer, idx(), ptrs(peer), idx(), None, idx())
@@ -447,8 +481,10 @@ def test_dst_kv_ptrs_value() -> None:
     bad = ptrs(peer)
     bad[1] += 64
     expected = bad[1] - 64
-    with raises(f"dst_kv_ptrs[1] = {bad[1]} does not match the peer layout: "
-                f"peer buffer 1 (layer 1, kv, host) has base {expected}"):
+    with raises(
+        f"dst_kv_ptrs[1] = {bad[1]} does not match the peer layout: "
+        f"peer buffer 1 (layer 1, kv, host) has base {expected}"
+    ):
         plan_transfer(local, peer, idx(1), bad, idx(1))
 
 
@@ -471,18 +507,21 @@ def test_dst_kv_ptrs_not_a_sequence() -> None:
         plan_transfer(local, peer, idx(1), 1 << 30, idx(1))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("ids", "message"), [
-    ([2], "dst_layer_ids has 1 entries, expected 2 (one per local layer [0, 1])"),
-    ([2, 3, 1], "dst_layer_ids has 3 entries, expected 2 (one per local layer [0, 1])"),
-    ([2, "3"], "dst_layer_ids[1] = '3' must be an int, got str"),
-    ([2, 3.0], "dst_layer_ids[1] = 3.0 must be an int, got float"),
-    ([True, 3], "dst_layer_ids[0] = True must be an int, got bool"),
-    ([3, 3], "dst_layer_ids[1] = 3 is a duplicate of dst_layer_ids[0]"),
-    ([2, 4], "dst_layer_ids[1] = 4 is not a layer of the peer layout (peer layers: [0, 1, 2, 3])"),
-    ([-1, 2], "dst_layer_ids[0] = -1 is not a layer of the peer layout"),
-    (7, "dst_layer_ids must be a sequence of ints or None, got int"),
-    ("23", "dst_layer_ids must be a sequence of ints or None, got str"),
-])
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        ([2], "dst_layer_ids has 1 entries, expected 2 (one per local layer [0, 1])"),
+        ([2, 3, 1], "dst_layer_ids has 3 entries, expected 2 (one per local layer [0, 1])"),
+        ([2, "3"], "dst_layer_ids[1] = '3' must be an int, got str"),
+        ([2, 3.0], "dst_layer_ids[1] = 3.0 must be an int, got float"),
+        ([True, 3], "dst_layer_ids[0] = True must be an int, got bool"),
+        ([3, 3], "dst_layer_ids[1] = 3 is a duplicate of dst_layer_ids[0]"),
+        ([2, 4], "dst_layer_ids[1] = 4 is not a layer of the peer layout (peer layers: [0, 1, 2, 3])"),
+        ([-1, 2], "dst_layer_ids[0] = -1 is not a layer of the peer layout"),
+        (7, "dst_layer_ids must be a sequence of ints or None, got int"),
+        ("23", "dst_layer_ids must be a sequence of ints or None, got str"),
+    ],
+)
 def test_dst_layer_ids(ids: Any, message: str) -> None:
     local, peer = mha([0, 1], 1 << 20), mha([0, 1, 2, 3], 1 << 30)
     with raises(message):
@@ -525,16 +564,20 @@ def test_mla_into_mha_has_no_target() -> None:
 def test_mapped_layer_without_role_names_the_mapping() -> None:
     local = mha([0], 1 << 20)
     peer = KVLayout((KVBuffer(1 << 30, 64, 16, 5, "k"), KVBuffer(1 << 31, 64, 16, 6, "v")))
-    with raises("local buffer 0 (layer 0, k) has no target: the peer layout has no buffer with layer 6 "
-                "(mapped by dst_layer_ids from layer 0) and role 'k'"):
+    with raises(
+        "local buffer 0 (layer 0, k) has no target: the peer layout has no buffer with layer 6 "
+        "(mapped by dst_layer_ids from layer 0) and role 'k'"
+    ):
         plan_transfer(local, peer, idx(1), ptrs(peer), idx(1), [6])
 
 
 def test_page_size_mismatch_names_both_buffers() -> None:
     local = mla(2, 1 << 20)
     peer = KVLayout((KVBuffer(1 << 30, 64, 16, 0), KVBuffer(1 << 31, 128, 16, 1)))
-    with raises("page size mismatch: local buffer 1 (layer 1, kv) has 64 bytes per page, "
-                "its target peer buffer 1 (layer 1, kv, host) has 128"):
+    with raises(
+        "page size mismatch: local buffer 1 (layer 1, kv) has 64 bytes per page, "
+        "its target peer buffer 1 (layer 1, kv, host) has 128"
+    ):
         plan_transfer(local, peer, idx(1), ptrs(peer), idx(1))
 
 
@@ -546,8 +589,10 @@ def test_safety_net_catches_a_run_past_the_buffer(monkeypatch: pytest.MonkeyPatc
         return src[:1], dst[:1], np.array([len(src) + 20], dtype=np.int64)  # claims 22 pages in one run
 
     monkeypatch.setattr(planning, "_runs", broken_runs)
-    with raises("internal planning error: run 0 covers pages [1, 23), outside its source local buffer 0 "
-                "(layer 0, kv) of 16 pages"):
+    with raises(
+        "internal planning error: run 0 covers pages [1, 23), outside its source local buffer 0 "
+        "(layer 0, kv) of 16 pages"
+    ):
         plan_transfer(local, peer, idx(1, 2), ptrs(peer), idx(3, 4))
 
 
@@ -648,12 +693,12 @@ def test_applied_plan_moves_the_right_bytes_all_device_peer() -> None:
 
 def test_llama_sized_plan_counts() -> None:
     page = 32 * 1024
-    local = KVLayout(tuple(
-        KVBuffer((1 << 40) + i * page * 4096, page, 4096, i % 32, "k" if i < 32 else "v") for i in range(64)
-    ))
-    peer = KVLayout(tuple(
-        KVBuffer((1 << 44) + i * page * 65536, page, 65536, i % 32, "k" if i < 32 else "v") for i in range(64)
-    ))
+    local = KVLayout(
+        tuple(KVBuffer((1 << 40) + i * page * 4096, page, 4096, i % 32, "k" if i < 32 else "v") for i in range(64))
+    )
+    peer = KVLayout(
+        tuple(KVBuffer((1 << 44) + i * page * 65536, page, 65536, i % 32, "k" if i < 32 else "v") for i in range(64))
+    )
     rng = np.random.default_rng(5)
     starts = rng.choice(4096 // 8, size=256, replace=False) * 8
     prefill = (starts[:, None] + np.arange(8)).ravel().astype(np.int32)  # 256 runs of 8

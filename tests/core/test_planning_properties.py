@@ -95,10 +95,13 @@ def cases(draw: st.DrawFn) -> Case:
     local_arrays = [random_pages(local_pages) for _ in roles for _ in range(n_local)]
     # local layer ids need not start at 0: a later pipeline stage may keep global ids
     first_local = draw(st.integers(0, 2))
-    local = KVLayout(tuple(
-        buffer(local_arrays[r * n_local + i], first_local + i, role, "host")
-        for r, role in enumerate(roles) for i in range(n_local)
-    ))
+    local = KVLayout(
+        tuple(
+            buffer(local_arrays[r * n_local + i], first_local + i, role, "host")
+            for r, role in enumerate(roles)
+            for i in range(n_local)
+        )
+    )
     if not mapped:
         layer_ids = None
         peer_layers = [first_local + i for i in range(n_local)]
@@ -161,8 +164,13 @@ def reference_pages(case: Case) -> list[tuple[int, int, int]]:
         lb, pb = case.local.buffers[i], case.peer.buffers[j]
         dst_ids = dst_ids_of(case, j)
         for k in range(len(case.prefill)):
-            out.append((lb.base + int(case.prefill[k]) * lb.page_bytes, pb.base + int(dst_ids[k]) * pb.page_bytes,
-                        lb.page_bytes))
+            out.append(
+                (
+                    lb.base + int(case.prefill[k]) * lb.page_bytes,
+                    pb.base + int(dst_ids[k]) * pb.page_bytes,
+                    lb.page_bytes,
+                )
+            )
     return out
 
 
@@ -181,8 +189,14 @@ def expand(plan: TransferPlan, page_bytes: int, max_pages: int) -> list[tuple[in
 
 def plan_of(case: Case, coalesce: bool = True) -> TransferPlan:
     return plan_transfer(
-        case.local, case.peer, case.prefill, [b.base for b in case.peer.buffers], case.host,
-        case.layer_ids, case.device, coalesce=coalesce,
+        case.local,
+        case.peer,
+        case.prefill,
+        [b.base for b in case.peer.buffers],
+        case.host,
+        case.layer_ids,
+        case.device,
+        coalesce=coalesce,
     )
 
 

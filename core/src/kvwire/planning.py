@@ -196,8 +196,7 @@ def _check_layer_ids(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[in
         seen[layer] = i
         if layer not in peer_layers:
             raise InvalidTransferError(
-                f"dst_layer_ids[{i}] = {layer} is not a layer of the peer layout "
-                f"(peer layers: {sorted(peer_layers)})"
+                f"dst_layer_ids[{i}] = {layer} is not a layer of the peer layout (peer layers: {sorted(peer_layers)})"
             )
     return {layer: int(ids[i]) for i, layer in enumerate(local.layers)}
 
@@ -325,9 +324,7 @@ def _check_range(
         raise InvalidTransferError(f"{name}[{j}] = {v} is negative: page ids must be >= 0")
     i = next(i for i in ids if v >= layout.buffers[i].num_pages)
     buf = layout.buffers[i]
-    raise InvalidTransferError(
-        f"{name}[{j}] = {v} is out of range: {describe(i, buf)} has {buf.num_pages} pages"
-    )
+    raise InvalidTransferError(f"{name}[{j}] = {v} is out of range: {describe(i, buf)} has {buf.num_pages} pages")
 
 
 def _check_ptrs(pairing: _Pairing, dst_kv_ptrs: Sequence[int]) -> None:
@@ -503,8 +500,12 @@ def plan_transfer(
         return TransferPlan.empty()
 
     _check_range(
-        "prefill_kv_indices", src_pages, pairing.src_limit,
-        layout=local, ids=range(len(local.buffers)), describe=_local_name,
+        "prefill_kv_indices",
+        src_pages,
+        pairing.src_limit,
+        layout=local,
+        ids=range(len(local.buffers)),
+        describe=_local_name,
     )
     planned: list[tuple[_Group, _Runs]] = []
     for g in pairing.groups:  # one, or (split) host then device
@@ -539,7 +540,10 @@ def _assemble(pairing: _Pairing, planned: list[tuple[_Group, _Runs]], descriptor
             start = int(row_start[g.pair_pos[0]])
             stop = start + g.num_pairs * r
             _fill(
-                g, runs, src=flat_src[start:stop].reshape(shape), dst=flat_dst[start:stop].reshape(shape),
+                g,
+                runs,
+                src=flat_src[start:stop].reshape(shape),
+                dst=flat_dst[start:stop].reshape(shape),
                 length=flat_len[start:stop].reshape(shape),
             )
         else:  # interleaved with the other group's pairs: scatter

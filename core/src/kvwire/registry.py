@@ -331,7 +331,9 @@ class Registry:
         lacking = sorted(wanted - info.capabilities)
         if lacking:
             others = [f"{i.name} ({i.distribution or 'runtime'})" for i in self.supporting(wanted)]
-            hint = f"backends that support them: {', '.join(others)}" if others else "no installed backend supports them"
+            hint = (
+                f"backends that support them: {', '.join(others)}" if others else "no installed backend supports them"
+            )
             providers = sorted({FEATURE_DISTRIBUTIONS[f] for f in lacking if f in FEATURE_DISTRIBUTIONS})
             if providers and not others:
                 hint += f" (install {', '.join(providers)})"

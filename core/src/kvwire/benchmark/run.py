@@ -49,15 +49,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
-def _pages(rng: np.random.Generator, num_pages: int, count: int, mean_run: int) -> NDArray[np.int32]:
-    """``count`` distinct pages in shuffled runs of mean length ``mean_run`` (a fragmented allocator)."""
-    runs = max(1, num_pages // mean_run)
-    starts = rng.permutation(runs) * mean_run
-    lengths = np.clip(rng.geometric(1.0 / mean_run, size=runs), 1, mean_run)
-    pages = np.concatenate([np.arange(s, min(s + n, num_pages)) for s, n in zip(starts, lengths)])
-    if pages.size < count:
-        raise ConfigError(f"pool of {num_pages} pages cannot hold {count} fragmented pages")
-    return pages[:count].astype(np.int32)
+def _run_lengths(rng: np.random.Generator, count: int, mean_run: int) -> NDArray[np.int64]:
+    """Run lengths (geometric, mean ``mean_run``, at most ``4 * mean_run``) summing to ``count``."""
+    lengths: list[int] = []
+    total = 0
+    while total < count:
+        run = int(min(rng.geometric(1.0 / mean_run), 4 * mean_run, count - total))
+        lengths.append(run)
+        total += run
+    return np.array(lengths, np.int64)
+
+
+def _place(rng: np.random.Generator, num_pages: int, lengths: NDArray[np.int64], mean_run: int) -> NDArray[np.int32]:
+    """Pages for runs of ``lengths`` at random, non-adjacent places in a pool (a fragmented allocator)."""
+    slot = 4 * mean_run + 1  # a run never fills its slot, so runs never touch: no accidental merging
+    slots = num_pages // slot
+    if slots < lengths.size:
+        raise ConfigError(f"pool of {num_pages} pages is too small for {lengths.size} runs of mean {mean_run}")
+    starts = rng.choice(slots, size=lengths.size, replace=False) * slot
+    offsets = rng.integers(0, slot - lengths)
+    return np.concatenate([np.arange(s, s + n) for s, n in zip(starts + offsets, lengths)]).astype(np.int32)
 
 
 def _raw_writer(conn: Connection) -> RawWrite | None:
@@ -91,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     preset = get_preset(args.preset)
     pages_per_request = -(-args.tokens // preset.page_tokens)
-    pool_pages = max(2 * pages_per_request, 64) + args.mean_run
+    pool_pages = 5 * pages_per_request + 8 * args.mean_run + 64  # room to scatter runs of up to 4x the mean
     decode_args = {
         "backend": args.backend,
         "preset": preset.name,
@@ -155,9 +166,12 @@ def _measure(
     before = after = 0
     progress = _Progress(args.requests, not args.json)
     for i in range(args.requests):
-        src = _pages(rng, pool.num_pages, pages_per_request, args.mean_run)
-        dst = _pages(rng, peer_layout.buffers[0].num_pages, pages_per_request, args.mean_run)
-        dev = _pages(rng, peer_layout.buffers[0].num_pages, pages_per_request, args.mean_run) if split else None
+        # The same run lengths on both sides, so a request's mean run really is --mean-run after coalescing.
+        lengths = _run_lengths(rng, pages_per_request, args.mean_run)
+        peer_pages = peer_layout.buffers[0].num_pages
+        src = _place(rng, pool.num_pages, lengths, args.mean_run)
+        dst = _place(rng, peer_pages, lengths, args.mean_run)
+        dev = _place(rng, peer_pages, lengths, args.mean_run) if split else None
         plan = plan_transfer(pool.layout, peer_layout, src, ptrs, dst, None, dev)
         before += plan.descriptors_before
         after += len(plan)

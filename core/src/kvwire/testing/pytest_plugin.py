@@ -52,7 +52,7 @@ def kvwire_backend_config() -> BackendConfig | None:
     return None
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # module: test modules may each override the backend under test
 def kvwire_harness(
     kvwire_backend_name: str, kvwire_two_process: bool, kvwire_backend_config: BackendConfig | None
 ) -> ContractHarness:

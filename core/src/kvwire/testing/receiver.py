@@ -3,7 +3,7 @@
 A receiver allocates host buffers from a :class:`LayoutSpec`, fills them with
 seeded random bytes, registers them with the backend and reports sha256
 hashes of every buffer on request. In a subprocess it speaks JSON lines over
-stdin/stdout (``python -m kvwire.testing.receiver``): no pickle on the wire.
+stdin/stdout (``python -m kvwire.testing.serve``): no pickle on the wire.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class SubprocessReceiver:
     def __init__(self, backend: str, spec: LayoutSpec, seed: int, timeout_s: float = 60.0) -> None:
         self.timeout_s = timeout_s
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvwire.testing.receiver", backend, json.dumps(spec.to_dict()), str(seed)],
+            [sys.executable, "-m", "kvwire.testing.serve", backend, json.dumps(spec.to_dict()), str(seed)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -166,7 +166,8 @@ class SubprocessReceiver:
                 self.proc.wait()
 
 
-def _serve(backend: str, spec_json: str, seed: int) -> int:
+def serve(backend: str, spec_json: str, seed: int) -> int:
+    """Run a receiver for the parent process over stdin/stdout (``python -m kvwire.testing.serve``)."""
     out = sys.stdout
     try:
         receiver = InProcessReceiver(backend, LayoutSpec.from_dict(json.loads(spec_json)), seed)
@@ -188,7 +189,3 @@ def _serve(backend: str, spec_json: str, seed: int) -> int:
         print(json.dumps(reply), file=out, flush=True)
     receiver.close()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_serve(sys.argv[1], sys.argv[2], int(sys.argv[3])))

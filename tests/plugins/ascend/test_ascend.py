@@ -1,0 +1,97 @@
+"""kvwire-ascend on a CPU machine: validates, explains itself, refuses split destinations, moves
+bytes through the host-memory engine double."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kvwire
+from kvwire import BackendConfig
+from kvwire.testing.contract import *  # noqa: F403 - the contract suite, through the engine double
+
+DOUBLE = BackendConfig(options={"engine": "host-double"})
+
+
+@pytest.fixture(scope="session")
+def kvwire_backend_name() -> str:
+    return "ascend"
+
+
+@pytest.fixture(scope="session")
+def kvwire_backend_config() -> BackendConfig:
+    return DOUBLE
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_discovery_and_validation_import_no_torch_npu_and_no_engine() -> None:
+    proc = _python(
+        "import sys, kvwire\n"
+        "infos = {i.name: i for i in kvwire.Registry(allow=['ascend']).load()}\n"
+        "print(infos['ascend'].status, 'torch_npu' in sys.modules, 'torch' in sys.modules, 'mooncake' in sys.modules)"
+    )
+    assert proc.stdout.split() == ["ok", "False", "False", "False"], proc.stderr
+
+
+def test_check_shows_ok_with_the_reason_it_cannot_run_here() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvwire", "check", "--json", "--backends", "ascend"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (entry,) = [e for e in json.loads(proc.stdout) if e["name"] == "ascend"]
+    assert (entry["status"], entry["distribution"], entry["spec_version"]) == ("ok", "kvwire-ascend", "1.2")
+    assert "device_kv_indices" not in entry["capabilities"]
+    assert entry["runtime"].startswith("unavailable: torch_npu is not installed (pip install 'kvwire-ascend[npu]'")
+    table = subprocess.run(
+        [sys.executable, "-m", "kvwire", "check", "--backends", "ascend"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    ).stdout
+    assert "    unavailable: torch_npu is not installed" in table
+
+
+def test_creating_it_without_npu_says_what_is_missing() -> None:
+    with pytest.raises(kvwire.BackendUnavailableError) as exc:
+        kvwire.connect("ascend")
+    message = str(exc.value)
+    assert message.startswith("backend 'ascend' (kvwire-ascend) cannot run on this machine: torch_npu is not installed")
+    assert "CANN is not set up" in message
+
+
+def test_requiring_split_destinations_fails_at_connect_naming_hisparse() -> None:
+    with pytest.raises(kvwire.UnsupportedFeatureError) as exc:
+        kvwire.connect("ascend", DOUBLE, features={"device_kv_indices"})
+    assert str(exc.value) == (
+        "backend 'ascend' (kvwire-ascend, spec 1.2) does not support required feature(s) ['device_kv_indices']; "
+        "backends that support them: hisparse (kvwire-hisparse), local (kvwire)"
+    )
+
+
+def test_direct_call_with_device_indices_is_refused_before_anything_moves() -> None:
+    from kvwire_ascend.backend import AscendBackend
+
+    backend = AscendBackend(DOUBLE)
+    idx = np.array([0], np.int32)
+    with pytest.raises(
+        kvwire.UnsupportedFeatureError, match=r"Use the 'hisparse' backend \(pip install kvwire-hisparse\)"
+    ):
+        backend.send_kvcache("nowhere:1", idx, [1], idx, None, None, idx)
+    backend.close()
+
+
+def test_unknown_engine_option_is_a_config_error() -> None:
+    with pytest.raises(kvwire.ConfigError, match=r"BackendConfig.options\['engine'\] must be one of"):
+        kvwire.connect("ascend", BackendConfig(options={"engine": "npu-sim"}))
