@@ -95,3 +95,15 @@ def test_direct_call_with_device_indices_is_refused_before_anything_moves() -> N
 def test_unknown_engine_option_is_a_config_error() -> None:
     with pytest.raises(kvwire.ConfigError, match=r"BackendConfig.options\['engine'\] must be one of"):
         kvwire.connect("ascend", BackendConfig(options={"engine": "npu-sim"}))
+
+
+def test_default_install_pulls_neither_torch_npu_nor_an_npu_engine() -> None:
+    from importlib.metadata import requires
+
+    requirements = requires("kvwire-ascend") or []
+    default = [r for r in requirements if "extra ==" not in r]
+    npu = [r for r in requirements if 'extra == "npu"' in r]
+    assert not any(name in r for r in default for name in ("torch", "mooncake-transfer-engine"))
+    assert any(r.startswith("torch-npu") and "<2.14" in r for r in npu), npu
+    assert any(r.startswith("torch") and "<2.14" in r and not r.startswith("torch-npu") for r in npu), npu
+    assert any(r.startswith("mooncake-transfer-engine-npu") for r in npu), npu
