@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,14 @@ def _torch_or_none() -> Any:
     except ImportError:
         return None
     return torch
+
+
+def _hugepage_array(num_pages: int, page_bytes: int) -> NDArray[np.uint8]:
+    """An anonymous mapping advised to use transparent huge pages (as serving engines' KV pools do)."""
+    region = mmap.mmap(-1, num_pages * page_bytes)
+    with contextlib.suppress(AttributeError, OSError):  # no madvise / THP: plain pages are fine
+        region.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(region, np.uint8).reshape(num_pages, page_bytes)
 
 
 class Pool:
@@ -48,7 +58,7 @@ class Pool:
                 ptr = int(t.data_ptr())
                 self.views.append(t.numpy() if not on_device else np.empty(0, np.uint8))
             else:
-                a = np.empty((num_pages, preset.page_bytes), np.uint8)
+                a = _hugepage_array(num_pages, preset.page_bytes)
                 self.views.append(a)
                 ptr = int(a.ctypes.data)
             buffers.append(KVBuffer(ptr, preset.page_bytes, num_pages, layer, role, kind))
