@@ -10,6 +10,7 @@ PIP    := $(PY) -m pip
 SYSLIBS := libibverbs.so.1 libnuma.so.1 libcurl.so.4
 APT_PKGS := libibverbs1 libnuma1 libcurl4
 DISTS  := core/pyproject.toml plugins/mooncake/pyproject.toml plugins/ascend/pyproject.toml plugins/hisparse/pyproject.toml
+TORCH_WHEELS := /opt/wheels/torch-2.13.0+cpu-cp$(shell $(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')-*.whl
 DEV_DEPS := "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "ruff>=0.6" "mypy>=1.10" "setuptools>=68" "wheel"
 
 .PHONY: setup demo test bench lint typecheck syspkgs clean
@@ -33,6 +34,9 @@ syspkgs:
 $(VENV)/.stamp-install: $(PY) $(DISTS) Makefile
 	$(PIP) install --quiet $(DEV_DEPS)
 	$(PIP) install --quiet -e core -e "plugins/mooncake[cpu]" -e plugins/ascend -e plugins/hisparse
+	@# torch is optional for kvwire; install the CPU build only from local disk (any other torch is GBs of CUDA)
+	@if ls $(TORCH_WHEELS) >/dev/null 2>&1; then $(PIP) install --quiet "torch==2.13.0"; \
+	  else echo "no local CPU torch wheel ($(TORCH_WHEELS)): torch-tensor tests will be skipped"; fi
 	@touch $@
 
 setup: syspkgs $(VENV)/.stamp-install
@@ -43,6 +47,8 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest tests
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 bench: setup
 	$(PY) bench/planning.py

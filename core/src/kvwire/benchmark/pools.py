@@ -37,7 +37,11 @@ class Pool:
 
     def __init__(self, preset: Preset, num_pages: int, *, decode_side: bool, device: str = "cpu") -> None:
         roles: tuple[Role, ...] = ("k", "v") if preset.attention == "mha" else ("kv",)
-        kinds: tuple[MemoryKind, ...] = ("host", "device") if (decode_side and preset.split_device) else ("host",)
+        kinds: tuple[MemoryKind, ...] = ("host",)
+        if decode_side and preset.split_device:
+            kinds = ("host", "device")
+        elif decode_side and device != "cpu":
+            kinds = ("device",)
         torch = _torch_or_none()
         if device != "cpu" and torch is None:
             raise ConfigError(f"--device {device!r} needs torch; install torch or use --device cpu")
