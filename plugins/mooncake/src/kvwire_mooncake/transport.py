@@ -72,13 +72,12 @@ class KVTransport:
         dst_layer_ids: Sequence[int] | None,
         dst_device_kv_indices: NDArray[np.int32] | None,
     ) -> int:
-        """Plan, check local addresses, write; returns the bytes moved."""
+        """Plan (validating both layouts), then write (checking local sources); returns the bytes moved."""
         plan = self.plan(
             session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, dst_layer_ids, dst_device_kv_indices
         )
         if len(plan):
-            self.engine.check_local(plan.src, plan.length)
-            self.engine.write(session_id, plan.src, plan.dst, plan.length)
+            self.engine.write(session_id, plan.src, plan.dst, plan.length)  # checks local sources first
         return plan.nbytes
 
     def close(self) -> None:
