@@ -35,7 +35,7 @@ $(VENV)/.stamp-install: $(PY) $(DISTS) Makefile
 	$(PIP) install --quiet $(DEV_DEPS)
 	$(PIP) install --quiet -e core -e "plugins/mooncake[cpu]" -e plugins/ascend -e plugins/hisparse
 	@# torch is optional for kvwire; install the CPU build only from local disk (any other torch is GBs of CUDA)
-	@if ls $(TORCH_WHEELS) >/dev/null 2>&1; then $(PIP) install --quiet "torch==2.13.0"; \
+	@if ls $(TORCH_WHEELS) >/dev/null 2>&1; then $(PIP) install --quiet $$(ls $(TORCH_WHEELS) | head -n 1); \
 	  else echo "no local CPU torch wheel ($(TORCH_WHEELS)): torch-tensor tests will be skipped"; fi
 	@touch $@
 

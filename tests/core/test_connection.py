@@ -130,3 +130,30 @@ def test_bad_arguments_are_typed_errors() -> None:
         kvwire.BackendConfig(timeout_s=0)
     with pytest.raises(kvwire.ConfigError, match=r"max_descriptors_per_call must be in \[1, 2048\], got 4096"):
         kvwire.BackendConfig(max_descriptors_per_call=4096)
+
+
+def test_closed_connection_refuses_calls(registry: kvwire.Registry) -> None:
+    registry.register("recorder", Recorder)
+    conn = registry.connect("recorder")
+    conn.close()
+    idx = np.array([1], np.int32)
+    for call in (
+        lambda: conn.endpoint(),
+        lambda: conn.register_kv_buffers(_layout()),
+        lambda: conn.add_peer("p", _layout()),
+        lambda: conn.send_kvcache("p", idx, [1], idx),
+    ):
+        with pytest.raises(kvwire.BackendError, match="connection to backend 'recorder' is closed"):
+            call()
+    assert [c[0] for c in conn.backend.calls] == ["close"]
+
+
+def test_dropped_connection_closes_its_backend(registry: kvwire.Registry) -> None:
+    import gc
+
+    registry.register("recorder", Recorder)
+    conn = registry.connect("recorder")
+    backend = conn.backend
+    del conn
+    gc.collect()
+    assert [c[0] for c in backend.calls] == ["close"]

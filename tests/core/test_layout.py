@@ -65,6 +65,10 @@ def test_malformed_descriptions_are_layout_errors(data: str, message: str) -> No
 def test_structural_errors() -> None:
     with pytest.raises(LayoutError, match=r"buffers\[1\] overlaps buffers\[0\]"):
         KVLayout((KVBuffer(4096, 64, 10, 0, "k"), KVBuffer(4096 + 64, 64, 10, 0, "v")))
+    with pytest.raises(LayoutError, match=r"buffers\[2\] overlaps buffers\[0\]"):  # a device buffer between them
+        KVLayout(
+            (KVBuffer(4096, 64, 10, 0, "k"), KVBuffer(4100, 8, 1, 0, "k", "device"), KVBuffer(4160, 64, 1, 0, "v"))
+        )
     with pytest.raises(LayoutError, match="mixes MLA"):
         KVLayout((KVBuffer(4096, 64, 1, 0, "kv"), KVBuffer(8192, 64, 1, 0, "k")))
     with pytest.raises(LayoutError, match=r"buffers\[1\] repeats layer 0 role 'kv' memory 'host'"):

@@ -49,3 +49,39 @@ def test_wrapper_sees_results_and_errors() -> None:
         with pytest.raises(kvwire.InvalidTransferError, match="prefill_kv_indices"):
             sender.send_kvcache(receiver.endpoint(), bad, ptrs, bad)
         assert counter.failures == ["InvalidTransferError"]
+
+
+class Misspelled:
+    @kvwire.hookimpl(wrapper=True)
+    def send_kv_cache(self) -> Generator[None, Any, int]:
+        return (yield)
+
+
+class NotAWrapper:
+    @kvwire.hookimpl
+    def send_kvcache(self, session_id: str) -> int:
+        return 0
+
+
+class WrongArgument:
+    @kvwire.hookimpl(wrapper=True)
+    def send_kvcache(self, session: str) -> Generator[None, Any, int]:
+        return (yield)
+
+
+@pytest.mark.parametrize(
+    ("middleware", "message"),
+    [
+        (Misspelled(), r"middleware\[0\] \(Misspelled\): 'send_kv_cache' is not a kvwire hook; did you mean"),
+        (NotAWrapper(), r"NotAWrapper\)\.send_kvcache must be declared @kvwire\.hookimpl\(wrapper=True\)"),
+        (WrongArgument(), r"WrongArgument\)\.send_kvcache takes \['session'\], not arguments of hook"),
+        (object(), r"middleware\[0\] \(object\) has no @kvwire\.hookimpl\(wrapper=True\) method"),
+    ],
+)
+def test_bad_middleware_is_refused_before_the_backend_is_built(middleware: object, message: str) -> None:
+    from kvwire.backends import local
+
+    before = len(local._directory)
+    with pytest.raises(kvwire.ConfigError, match=message):
+        kvwire.Registry(allow=["local"]).connect("local", middleware=[middleware])
+    assert len(local._directory) == before  # no backend instance was created

@@ -213,14 +213,49 @@ def test_all_device_peer_takes_dst_kv_indices() -> None:
     assert triples(plan_transfer(local, peer, idx(0, 1), ptrs(peer), idx(4, 5), None, None)) == triples(plan)
 
 
-def test_targets_of_one_kind_after_mapping_take_dst_kv_indices() -> None:
-    """Only the targeted buffers count: a peer mixing kinds is unsplit when the mapping hits one kind."""
-    local = mla(1, 1 << 20)
-    peer = KVLayout((KVBuffer(1 << 30, 64, 16, 0), KVBuffer(1 << 31, 64, 16, 1, memory="device")))
-    plan = plan_transfer(local, peer, idx(1), ptrs(peer), idx(2), [1])  # layer 0 -> peer layer 1 (device)
-    assert triples(plan) == [((1 << 20) + 64, (1 << 31) + 128, 64)]
-    with raises("dst_device_kv_indices was given, but the peer's targeted buffers are all device buffers"):
-        plan_transfer(local, peer, idx(1), ptrs(peer), idx(2), [1], idx(3))
+def test_split_layout_stage_mapped_onto_device_layer_needs_device_ids(hisparse: tuple[KVLayout, KVLayout]) -> None:
+    """The reviewer's case (sglang #31482): the split is the peer layout's, not the request's.
+
+    A 1-layer pipeline stage mapped onto layer 1 of the HiSparse peer targets only a device
+    buffer; it must still be addressed by dst_device_kv_indices, never by dst_kv_indices.
+    """
+    _, peer = hisparse
+    local = KVLayout((KVBuffer(1000, 100, 9, 0),))
+    with raises(
+        "dst_device_kv_indices is None, but the peer layout has host and device buffers (split destinations) "
+        "and this request targets a device buffer, peer buffer 1 (layer 1, kv, device): pass dst_device_kv_indices"
+    ):
+        plan_transfer(local, peer, idx(1, 2), ptrs(peer), idx(7, 8), [1])
+    plan = plan_transfer(local, peer, idx(1, 2), ptrs(peer), idx(7, 8), [1], idx(21, 22))
+    assert triples(plan) == [(1100, 22100, 200)]  # device page 21 of peer buffer 1, not host page 7
+    assert plan.descriptors_before == 2
+    # dst_kv_indices is not range-checked against buffers it does not address
+    plan_transfer(local, peer, idx(1), ptrs(peer), idx(0), [2], idx(49))
+
+
+def test_split_layout_stage_mapped_onto_device_layer_moves_bytes_to_device_ids() -> None:
+    """Real buffers: layer 0 host, layers 1-2 device; a 1-layer stage sent onto layer 1."""
+    rng = np.random.default_rng(31482)
+    src = [rng.integers(1, 256, size=(12, 48), dtype=np.uint8)]
+    peer_arrays = [rng.integers(1, 256, size=(40, 48), dtype=np.uint8)] + [
+        rng.integers(1, 256, size=(8, 48), dtype=np.uint8) for _ in range(2)
+    ]
+    before = [a.copy() for a in peer_arrays]
+    local = KVLayout.mla(src)
+    peer = KVLayout.mla(peer_arrays, memory=["host", "device", "device"])
+    assert [b.memory for b in peer.buffers] == ["host", "device", "device"]
+    prefill = np.array([0, 1, 2, 9, 4], dtype=np.int32)
+    host_pages = np.array([30, 31, 32, 20, 39], dtype=np.int32)  # host ids: past the 8 device pages
+    device_pages = np.array([5, 6, 7, 0, 2], dtype=np.int32)
+    with raises("dst_device_kv_indices is None, but the peer layout has host and device buffers"):
+        plan_transfer(local, peer, prefill, ptrs(peer), host_pages, [1])
+    plan = plan_transfer(local, peer, prefill, ptrs(peer), host_pages, [1], device_pages)
+    apply(plan, local, peer)
+    want = [a.copy() for a in before]
+    want[1][device_pages] = src[0][prefill]
+    for got, expected in zip(peer_arrays, want, strict=True):
+        np.testing.assert_array_equal(got, expected)
+    assert len(plan) == 3  # runs [0,1,2]->[5,6,7], [9]->[0], [4]->[2]
 
 
 def test_different_page_sizes_per_buffer() -> None:
@@ -433,41 +468,42 @@ def test_lengths_must_match(hisparse: tuple[KVLayout, KVLayout]) -> None:
         plan_transfer(local, peer, idx(1, 2), ptrs(peer), idx(1, 2), None, idx(1))
 
 
-def test_device_ids_required_when_targets_mix_kinds(hisparse: tuple[KVLayout, KVLayout]) -> None:
+def test_device_ids_required_when_split_layout_request_targets_device(hisparse: tuple[KVLayout, KVLayout]) -> None:
     local, peer = hisparse
     with raises(
-        "dst_device_kv_indices is None, but the peer's targeted buffers mix host and device memory "
-        "(peer buffer 0 (layer 0, kv, host) and peer buffer 1 (layer 1, kv, device) are both targets), "
-        "so device buffers need their own page ids"
+        "dst_device_kv_indices is None, but the peer layout has host and device buffers (split destinations) "
+        "and this request targets a device buffer, peer buffer 1 (layer 1, kv, device): pass dst_device_kv_indices"
     ):
         plan_transfer(local, peer, idx(1, 2), ptrs(peer), idx(7, 8))
 
 
-def test_device_ids_rejected_for_all_host_targets() -> None:
-    local, peer = mla(2, 1 << 20), mla(2, 1 << 30)
+@pytest.mark.parametrize("memory", ["host", "device"])
+def test_device_ids_rejected_for_a_one_kind_layout(memory: str) -> None:
+    local, peer = mla(2, 1 << 20), mla(2, 1 << 30, memory=memory)
     with raises(
-        "dst_device_kv_indices was given, but the peer's targeted buffers are all host buffers, "
-        "so there is no split destination"
-    ):
-        plan_transfer(local, peer, idx(1), ptrs(peer), idx(1), None, idx(1))
-
-
-def test_device_ids_rejected_for_all_device_targets() -> None:
-    local, peer = mla(2, 1 << 20), mla(2, 1 << 30, memory="device")
-    with raises(
-        "dst_device_kv_indices was given, but the peer's targeted buffers are all device buffers, "
-        "so there is no split destination"
+        f"dst_device_kv_indices was given, but the peer layout's buffers are all {memory}: "
+        "there is no split destination; pass None"
     ):
         plan_transfer(local, peer, idx(0, 1), ptrs(peer), idx(3, 3), None, idx(4, 5))
     with raises("dst_device_kv_indices was given"):  # even an empty request: the rule does not depend on n
         plan_transfer(local, peer, idx(), ptrs(peer), idx(), None, idx())
+    with raises("dst_device_kv_indices was given"):  # nor on the mapping
+        plan_transfer(local, peer, idx(0), ptrs(peer), idx(3), [1, 0], idx(4))
 
 
-def test_device_buffer_that_is_not_a_target_does_not_require_device_ids() -> None:
+def test_split_layout_host_only_request_takes_dst_kv_indices_and_refuses_device_ids() -> None:
+    """A split layout whose device buffer is not targeted: dst_kv_indices only, device ids refused."""
     local = mla(1, 1 << 20)
     peer = KVLayout((KVBuffer(1 << 30, 64, 16, 0), KVBuffer(1 << 31, 64, 16, 1, memory="device")))
     plan = plan_transfer(local, peer, idx(1), ptrs(peer), idx(2))
     assert triples(plan) == [((1 << 20) + 64, (1 << 30) + 128, 64)]
+    with raises(
+        "dst_device_kv_indices was given, but this request targets no device buffer: the peer layout has host "
+        "and device buffers (split destinations)"
+    ):
+        plan_transfer(local, peer, idx(1), ptrs(peer), idx(2), None, idx(3))
+    with raises("dst_device_kv_indices was given, but this request targets no device buffer"):
+        plan_transfer(local, peer, idx(), ptrs(peer), idx(), [0], idx())
 
 
 def test_dst_kv_ptrs_count() -> None:

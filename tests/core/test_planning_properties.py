@@ -6,10 +6,14 @@ draws fragmented page sets, applies the plan with ``memmove`` and compares every
 byte of every buffer with what a plain Python loop, one page at a time, says
 must happen.
 
-The destination rule the reference applies: when the targeted peer buffers mix
-host and device memory, host targets take ``dst_kv_indices`` and device targets
-``dst_device_kv_indices``; when they are all of one kind, every target takes
-``dst_kv_indices`` and no device ids are passed.
+The destination rule the reference applies is a property of the PEER LAYOUT,
+not of the request: when the peer layout has both host and device buffers (a
+split destination), host buffers take ``dst_kv_indices`` and device buffers
+``dst_device_kv_indices``, and device ids are passed exactly when the request
+(after layer mapping) targets a device buffer; when the layout is all of one
+kind, every buffer takes ``dst_kv_indices`` and no device ids are passed. The
+"split" peers draw a kind per layer, so with a layer mapping a request often
+targets only one kind of a split layout (sglang issue #31482).
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from kvwire.errors import InvalidTransferError
 from kvwire.layout import KVBuffer, KVLayout, MemoryKind, Role
 from kvwire.planning import TransferPlan, plan_transfer
 
-PEER_MEMORY = ("host", "device", "split", "both")
+# host / device: one kind; split: a kind per layer; both: a host and a device buffer per layer;
+# stage: a split layout whose targeted layers (a mapped pipeline stage) are all of one kind
+PEER_MEMORY = ("host", "device", "split", "both", "stage")
 INDEX_MODES = ("consecutive", "random", "sorted", "runs", "runs-touching")
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -73,13 +79,14 @@ def cases(draw: st.DrawFn) -> Case:
     attention = draw(st.sampled_from(("mha", "mla")))
     roles: tuple[Role, ...] = ("k", "v") if attention == "mha" else ("kv",)
     n_local = draw(st.integers(1, 3))
-    mapped = draw(st.booleans())
-    n_peer = n_local + (draw(st.integers(0, 3)) if mapped else 0)
+    peer_memory = draw(st.sampled_from(PEER_MEMORY))
+    stage = peer_memory == "stage"
+    mapped = stage or draw(st.booleans())
+    n_peer = n_local + (draw(st.integers(1 if stage else 0, 3)) if mapped else 0)
     layer_ids = draw(st.permutations(range(n_peer)))[:n_local] if mapped else None
     page_bytes = draw(st.sampled_from((8, 24, 64)))
     pages = st.integers(16, 64) | st.integers(1, 64)
     local_pages, host_pages, device_pages = draw(pages), draw(pages), draw(pages)
-    peer_memory = draw(st.sampled_from(PEER_MEMORY))
     most = min(local_pages, host_pages, device_pages)
     n = draw(st.integers(most // 2, most) | st.just(most) | st.integers(0, most))  # lean to long requests
     modes = [draw(st.sampled_from(INDEX_MODES)) for _ in range(3)]
@@ -107,11 +114,16 @@ def cases(draw: st.DrawFn) -> Case:
         peer_layers = [first_local + i for i in range(n_local)]
     else:
         peer_layers = list(range(n_peer))
+    stage_kind: MemoryKind = draw(st.sampled_from(("host", "device")))
+    other_kind: MemoryKind = "device" if stage_kind == "host" else "host"
     peer_specs: list[tuple[int, Role, MemoryKind]] = []
     for role in roles:
         for layer in peer_layers:
             if peer_memory in ("host", "device"):
                 peer_specs.append((layer, role, peer_memory))  # type: ignore[arg-type]
+            elif peer_memory == "stage":
+                assert layer_ids is not None
+                peer_specs.append((layer, role, stage_kind if layer in layer_ids else other_kind))
             elif peer_memory == "split":
                 peer_specs.append((layer, role, draw(st.sampled_from(("host", "device")))))
             else:
@@ -121,14 +133,14 @@ def cases(draw: st.DrawFn) -> Case:
     peer_arrays = [random_pages(host_pages if m == "host" else device_pages) for _, _, m in peer_specs]
     peer = KVLayout(tuple(buffer(a, *spec) for a, spec in zip(peer_arrays, peer_specs, strict=True)))
 
-    # the kinds of the targets (a mapped-away buffer does not count) decide which ids address what
-    kinds = {peer.buffers[j].memory for _, j in pair_targets(local, peer, layer_ids)}
-    mixed = len(kinds) == 2
-    # dst_kv_indices addresses the host targets when mixed, else every target (of the one kind)
-    host_space = host_pages if mixed or kinds == {"host"} else device_pages
+    # the peer layout's kinds decide which ids address what; the targets only whether device ids are due
+    split = layout_is_split(peer)
+    targets_device = any(peer.buffers[j].memory == "device" for _, j in pair_targets(local, peer, layer_ids))
+    # dst_kv_indices addresses the host buffers of a split layout, else every buffer (of the one kind)
+    host_space = host_pages if split or peer.buffers[0].memory == "host" else device_pages
     prefill = page_ids(rng, modes[0], n, local_pages).astype(int_type)
     host = page_ids(rng, modes[1], n, host_space).astype(int_type)
-    device = page_ids(rng, modes[2], n, device_pages).astype(int_type) if mixed else None
+    device = page_ids(rng, modes[2], n, device_pages).astype(int_type) if split and targets_device else None
     return Case(local, peer, local_arrays, peer_arrays, prefill, host, device, layer_ids)
 
 
@@ -145,13 +157,14 @@ def targets(case: Case) -> list[tuple[int, int]]:
     return pair_targets(case.local, case.peer, case.layer_ids)
 
 
-def targets_mix_kinds(case: Case) -> bool:
-    return len({case.peer.buffers[j].memory for _, j in targets(case)}) == 2
+def layout_is_split(peer: KVLayout) -> bool:
+    """The peer layout has host and device buffers: two page-id spaces, whatever a request targets."""
+    return len({b.memory for b in peer.buffers}) == 2
 
 
 def dst_ids_of(case: Case, j: int) -> NDArray[Any]:
-    """The destination page ids of peer buffer ``j``: split by kind only when the targets mix kinds."""
-    if targets_mix_kinds(case) and case.peer.buffers[j].memory == "device":
+    """The destination page ids of peer buffer ``j``: split by kind only when the peer layout mixes kinds."""
+    if layout_is_split(case.peer) and case.peer.buffers[j].memory == "device":
         assert case.device is not None
         return case.device
     return case.host
@@ -269,13 +282,24 @@ def test_chunks_concatenate_to_the_plan(case: Case, size: int) -> None:
 
 @SETTINGS
 @given(cases())
-def test_device_ids_are_required_exactly_when_targets_mix_kinds(case: Case) -> None:
-    """Omitting device ids for mixed targets, or passing them for one-kind targets, is rejected."""
-    if case.device is not None:  # mixed: leaving them out is an error
+def test_device_ids_are_required_exactly_when_a_split_layout_device_buffer_is_targeted(case: Case) -> None:
+    """Omitting device ids when they are due, or passing them when they are not, is rejected."""
+    if case.device is not None:  # split layout, a device buffer targeted: leaving them out is an error
         case.device = None
-        with pytest.raises(InvalidTransferError, match=r"^dst_device_kv_indices is None, but .* mix host and device"):
+        with pytest.raises(
+            InvalidTransferError,
+            match=r"^dst_device_kv_indices is None, but the peer layout has host and device buffers .* "
+            r"targets a device buffer, peer buffer \d+ \(layer \d+, \w+, device\)",
+        ):
             plan_of(case)
-    else:  # one kind: giving them is an error
-        case.device = case.host.copy()
-        with pytest.raises(InvalidTransferError, match=r"^dst_device_kv_indices was given, but .* are all"):
-            plan_of(case)
+        return
+    case.device = case.host.copy()  # giving them is an error
+    if layout_is_split(case.peer):  # split layout, host buffers only targeted
+        assert all(case.peer.buffers[j].memory == "host" for _, j in targets(case))
+        match = r"^dst_device_kv_indices was given, but this request targets no device buffer"
+    else:
+        match = (
+            rf"^dst_device_kv_indices was given, but the peer layout's buffers are all {case.peer.buffers[0].memory}:"
+        )
+    with pytest.raises(InvalidTransferError, match=match):
+        plan_of(case)

@@ -119,3 +119,27 @@ def test_finding_render_names_everything() -> None:
         "    fix:  add `dst_device_kv_indices: NDArray[np.int32] | None = None` after `dst_layer_ids`, "
         "or declare spec_version = '1.1' to load adapted with that feature off"
     )
+
+
+def test_array_default_is_a_finding_not_a_crash() -> None:
+    namespace: dict[str, object] = {}
+    exec(
+        "from __future__ import annotations\n"
+        "import numpy as np\n"
+        "from numpy.typing import NDArray\n"
+        "def send_kvcache(self, session_id: str, prefill_kv_indices: NDArray[np.int32], dst_kv_ptrs, dst_kv_indices,"
+        " executor, dst_layer_ids=None, dst_device_kv_indices: NDArray[np.int32] | None = np.zeros(1)) -> int: ...\n",
+        namespace,
+    )
+    cls = type("ArrayDefault", (Recorder,), {"send_kvcache": kvwire.hookimpl(namespace["send_kvcache"])})
+    rules = {(f.rule, f.message.split(" has ")[0]) for f in kvwire.validate_backend(cls, ORIGIN).findings}
+    assert ("default-mismatch", "parameter `dst_device_kv_indices`") in rules
+
+
+def test_capability_findings_show_both_sides() -> None:
+    class Claims(Recorder11):
+        capabilities = frozenset({"layer_ids", "device_kv_indices"})
+
+    (finding,) = kvwire.validate_backend(Claims, ORIGIN).findings
+    assert finding.spec_signature == "spec 1.1: send_kvcache parameters honour ['layer_ids']"
+    assert finding.impl_signature == "capabilities = {device_kv_indices, layer_ids}"

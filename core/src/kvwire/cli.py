@@ -8,6 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from kvwire.errors import KvwireError
 from kvwire.registry import BackendInfo, Registry
 
 __all__ = ["main"]
@@ -77,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvwire`` console script."""
     args = _parser().parse_args(argv)
-    code: int = args.func(args)
+    try:
+        code: int = args.func(args)
+    except KvwireError as exc:  # bad arguments, a missing backend, a failed transfer: one line, no traceback
+        print(f"kvwire {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     sys.stdout.flush()
     return code

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
+from typing import Any
 
 from kvwire.errors import ConfigError
 
@@ -79,6 +80,19 @@ class BackendConfig:
             if not isinstance(key, str) or not isinstance(value, str):
                 raise ConfigError(f"BackendConfig.options must map str to str, got {key!r}: {value!r}")
         object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable fields (for handing the same settings to a child process)."""
+        return {f.name: dict(self.options) if f.name == "options" else getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BackendConfig:
+        """Inverse of :meth:`to_dict`; unknown keys are a ConfigError naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"BackendConfig: unknown field(s) {unknown}; known: {sorted(known)}")
+        return cls(**dict(data))
 
     def option(self, key: str, default: str) -> str:
         """A backend-specific option, or ``default``."""

@@ -8,6 +8,9 @@ with :class:`UnsupportedFeatureError`, so nothing is silently dropped.
 
 from __future__ import annotations
 
+import difflib
+import inspect
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from types import TracebackType
@@ -20,12 +23,40 @@ from numpy.typing import NDArray
 from kvwire.config import BackendConfig
 from kvwire.errors import BackendError, ConfigError, UnsupportedFeatureError
 from kvwire.layout import KVLayout
-from kvwire.markers import PROJECT_NAME
-from kvwire.spec import BackendSpec
+from kvwire.markers import IMPL_ATTR, PROJECT_NAME
+from kvwire.spec import CURRENT, BackendSpec, spec_hooks
 
 __all__ = ["Connection"]
 
 _MEMORY_FEATURES = {"host": "host_memory", "device": "device_memory"}
+
+
+def _check_middleware(obj: object, what: str) -> None:
+    """A middleware may only wrap spec hooks (``wrapper=True``) and take spec arguments."""
+    hooks = spec_hooks(CURRENT)
+    marked = [n for n in dir(obj) if getattr(getattr(obj, n, None), IMPL_ATTR, None) is not None]
+    if not marked:
+        raise ConfigError(f"{what} ({type(obj).__name__}) has no @kvwire.hookimpl(wrapper=True) method")
+    for name in marked:
+        func = getattr(obj, name)
+        if name not in hooks:
+            close = difflib.get_close_matches(name, list(hooks), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{what} ({type(obj).__name__}): {name!r} is not a kvwire hook{hint}")
+        opts = getattr(func, IMPL_ATTR)
+        if not (opts.get("wrapper") or opts.get("hookwrapper")):
+            raise ConfigError(
+                f"{what} ({type(obj).__name__}).{name} must be declared @kvwire.hookimpl(wrapper=True): "
+                "a plain implementation would answer instead of the backend"
+            )
+        allowed = {p.name for p in hooks[name].params}
+        params = list(inspect.signature(func).parameters)
+        unknown = [p for p in params if p not in allowed]
+        if unknown:
+            raise ConfigError(
+                f"{what} ({type(obj).__name__}).{name} takes {unknown}, not arguments of hook {name!r} "
+                f"({', '.join(sorted(allowed)) or 'none'})"
+            )
 
 
 class Connection:
@@ -49,6 +80,8 @@ class Connection:
         self.capabilities = capabilities
         self.spec_version = spec_version
         self.config = config
+        for i, extra in enumerate(middleware):  # before the backend exists: a bad wrapper leaks nothing
+            _check_middleware(extra, f"middleware[{i}]")
         self._pm = pluggy.PluginManager(PROJECT_NAME)
         self._pm.add_hookspecs(BackendSpec)
         self.backend: Any = cls(config)
@@ -56,7 +89,12 @@ class Connection:
         for i, extra in enumerate(middleware):
             self._pm.register(extra, name=f"{name}.middleware[{i}]")
         self._hook = self._pm.hook
-        self._closed = False
+        # A dropped connection still unregisters its memory (stale registrations break later ones).
+        self._finalizer = weakref.finalize(self, self._hook.close)
+
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise BackendError(f"connection to backend {self.name!r} is closed")
 
     def _require(self, feature: str, why: str) -> None:
         if feature not in self.capabilities:
@@ -67,6 +105,7 @@ class Connection:
 
     def register_kv_buffers(self, layout: KVLayout) -> None:
         """Register the local KV memory (checked against the backend's capabilities first)."""
+        self._check_open()
         if not isinstance(layout, KVLayout):
             raise ConfigError(f"layout must be a kvwire.KVLayout, got {type(layout).__name__}")
         self._check_layout(layout, "the local layout")
@@ -80,6 +119,7 @@ class Connection:
 
     def endpoint(self) -> str:
         """The id a peer passes as ``session_id`` to reach this endpoint."""
+        self._check_open()
         result = self._hook.endpoint()
         if not isinstance(result, str):
             raise BackendError(f"backend {self.name!r}: endpoint() returned {result!r}, expected a str")
@@ -87,6 +127,7 @@ class Connection:
 
     def add_peer(self, session_id: str, layout: KVLayout) -> None:
         """Tell the backend a peer's layout (as the peer published it) before sending to it."""
+        self._check_open()
         if not isinstance(session_id, str) or not session_id:
             raise ConfigError(f"session_id must be a non-empty str, got {session_id!r}")
         if not isinstance(layout, KVLayout):
@@ -105,6 +146,7 @@ class Connection:
         dst_device_kv_indices: NDArray[np.int32] | None = None,
     ) -> int:
         """Send pages to a peer; returns the bytes moved (see :class:`kvwire.BackendSpec`)."""
+        self._check_open()
         if dst_layer_ids is not None:
             self._require("layer_ids", "dst_layer_ids")
         if dst_device_kv_indices is not None:
@@ -127,9 +169,7 @@ class Connection:
 
     def close(self) -> None:
         """Close the backend (idempotent)."""
-        if not self._closed:
-            self._closed = True
-            self._hook.close()
+        self._finalizer()
 
     def __enter__(self) -> Connection:
         return self
@@ -140,4 +180,4 @@ class Connection:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<kvwire.Connection backend={self.name!r} spec={self.spec_version} closed={self._closed}>"
+        return f"<kvwire.Connection backend={self.name!r} spec={self.spec_version} closed={not self._finalizer.alive}>"

@@ -139,10 +139,11 @@ class KVLayout:
                     f"{buf.memory!r} of buffers[{seen[key]}]"
                 )
             seen[key] = i
-        order = sorted(range(len(buffers)), key=lambda i: buffers[i].base)
-        for prev, cur in itertools.pairwise(order):
-            if buffers[prev].memory == buffers[cur].memory and buffers[cur].base < buffers[prev].end:
-                raise LayoutError(f"KVLayout.buffers[{cur}] overlaps buffers[{prev}]")
+        for kind in _MEMORY_KINDS:  # host and device addresses are separate spaces
+            order = sorted((i for i, b in enumerate(buffers) if b.memory == kind), key=lambda i: buffers[i].base)
+            for prev, cur in itertools.pairwise(order):
+                if buffers[cur].base < buffers[prev].end:
+                    raise LayoutError(f"KVLayout.buffers[{cur}] overlaps buffers[{prev}]")
 
     # -- construction -------------------------------------------------------
 

@@ -7,21 +7,32 @@ for one batch call of a transport engine. Keeping it in one place means the
 arithmetic, the coalescing and the bounds checks cannot drift between backends.
 
 Destination page ids. A buffer's memory kind (``"host"`` or ``"device"``)
-says where its bytes live, not which page ids address it. The peer's page-id
-space is split only when the buffers targeted by a request mix kinds (HiSparse:
-some layers land in host DRAM, others in a device cache, each with its own page
-ids): then host targets take ``dst_kv_indices`` and device targets take
-``dst_device_kv_indices``. When every target has one kind (an ordinary GPU
-decode, whose torch tensors :class:`~kvwire.layout.KVLayout` marks ``"device"``,
-or a host-only peer) every target takes ``dst_kv_indices``, as sglang passes
-them, and ``dst_device_kv_indices`` must be ``None``.
+says where its bytes live, not by itself which page ids address it. Which ids
+address which buffer is a property of the PEER LAYOUT, declared by the decode
+side when it registers its buffers, and never inferred from a request:
+
+* A peer layout with both host and device buffers is a split destination
+  (HiSparse: some layers land in host DRAM, others in a device cache, each with
+  its own page ids). Every host buffer is addressed by ``dst_kv_indices`` and
+  every device buffer by ``dst_device_kv_indices``, whatever the request
+  targets. ``dst_device_kv_indices`` is given exactly when the request (after
+  ``dst_layer_ids`` mapping) targets at least one device buffer.
+* A peer layout of one kind only (an ordinary GPU decode, whose torch tensors
+  :class:`~kvwire.layout.KVLayout` marks ``"device"``, or a host-only peer)
+  has one page-id space: every buffer takes ``dst_kv_indices``, as sglang
+  passes them, and ``dst_device_kv_indices`` must be ``None``.
+
+Deciding from the request's targets instead would be wrong: a pipeline stage
+whose layers all map onto the device part of a split layout would be planned
+with ``dst_kv_indices`` (host page ids) and write them into device buffers
+silently (sglang issue #31482).
 
 Every input is validated before a plan is returned; every failure raises
 :class:`~kvwire.errors.InvalidTransferError` naming the argument and the first
 offending position and value. The work is vectorised with numpy: runs of
-consecutive pages are found once per destination index set (one, or host and
-device when split) and broadcast across all buffer pairs, with no Python loop
-per layer or per page.
+consecutive pages are found once per destination index set (one, or one per
+targeted memory kind on a split layout) and broadcast across all buffer pairs,
+with no Python loop per layer or per page.
 """
 
 from __future__ import annotations
@@ -134,8 +145,8 @@ def _col(values: Sequence[int]) -> NDArray[np.int64]:
 class _Group:
     """The buffer pairs that share one destination index set.
 
-    Every pair when the targets all have one memory kind; else the pairs whose
-    target has memory kind ``memory`` (a split destination).
+    Every pair when the peer layout has one memory kind; else (a split layout)
+    the pairs whose target has memory kind ``memory``.
     """
 
     memory: MemoryKind  # of every target in the group
@@ -163,12 +174,13 @@ class _Pairing:
 
     local: KVLayout
     peer: KVLayout
-    groups: tuple[_Group, ...]  # one group; or, split, the host group then the device group
+    groups: tuple[_Group, ...]  # one group; or, split layout, the host group and/or the device group
     pair_group: NDArray[np.int64]  # group number of each pair, in global pair order
     num_pairs: int
     src_limit: int  # fewest pages among local buffers: every prefill id must be below it
     peer_bases: list[int]
-    split: tuple[int, int] | None  # targets mix kinds: (first host target, first device target)
+    split: bool  # the peer layout has host and device buffers: two page-id spaces
+    device_target: int | None  # split layout: the first targeted device buffer (None: none targeted)
 
 
 def _check_layer_ids(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int]) -> dict[int, int]:
@@ -225,10 +237,12 @@ def _build_pairing(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int]
                 )
             pairs.append((i, j))
     kinds = [peer.buffers[j].memory for _, j in pairs]
-    split = "host" in kinds and "device" in kinds  # a split destination: two page-id spaces
+    # the peer LAYOUT decides (not the targets): a layout mixing kinds is a split destination
+    split = len({b.memory for b in peer.buffers}) > 1
     parts: list[tuple[MemoryKind, bool, list[int]]]
-    if split:
+    if split:  # host buffers take dst_kv_indices, device buffers dst_device_kv_indices; skip an untargeted kind
         parts = [(m, m == "device", [k for k, kind in enumerate(kinds) if kind == m]) for m in ("host", "device")]
+        parts = [part for part in parts if part[2]]
     else:  # one memory kind: every target takes dst_kv_indices, whatever the kind
         parts = [(kinds[0], False, list(range(len(pairs))))]
     groups = []
@@ -259,11 +273,12 @@ def _build_pairing(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int]
         local=local,
         peer=peer,
         groups=tuple(groups),
-        pair_group=_frozen(np.array([int(split and k == "device") for k in kinds], dtype=_I64)),
+        pair_group=_frozen(np.array([int(len(parts) > 1 and k == "device") for k in kinds], dtype=_I64)),
         num_pairs=len(pairs),
         src_limit=min(b.num_pages for b in local.buffers),
         peer_bases=[b.base for b in peer.buffers],
-        split=(pairs[kinds.index("host")][1], pairs[kinds.index("device")][1]) if split else None,
+        split=split,
+        device_target=pairs[kinds.index("device")][1] if split and "device" in kinds else None,
     )
 
 
@@ -451,16 +466,22 @@ def plan_transfer(
     given, ``i`` being the position of ``L`` in ``local.layers`` (a pipeline
     stage holding some layers maps them onto the peer's global layer ids).
     Source page ``j`` is ``prefill_kv_indices[j]``; it lands on page
-    ``dst_kv_indices[j]`` of every target, except when the targeted peer
-    buffers (after layer mapping) mix host and device memory: then it lands on
-    page ``dst_kv_indices[j]`` of the host targets and on page
-    ``dst_device_kv_indices[j]`` of the device targets (HiSparse: independent
-    page ids). A buffer's memory kind says where its bytes live; the page-id
-    space is split only for such a mixed request, so an ordinary GPU decode
-    (all targets ``"device"``) is addressed by ``dst_kv_indices`` as sglang
-    does. ``dst_device_kv_indices`` is required for a mixed request and must
-    be ``None`` otherwise. ``dst_kv_ptrs`` are the peer's buffer bases in
-    ``peer.buffers`` order, checked against it.
+    ``dst_kv_indices[j]`` of every target, except when the peer layout has
+    both host and device buffers (a split destination, HiSparse): then it
+    lands on page ``dst_kv_indices[j]`` of host targets and on page
+    ``dst_device_kv_indices[j]`` of device targets (independent page ids).
+
+    The split is a property of ``peer``, never of the request: a buffer's
+    memory kind says where its bytes live, and a layout that mixes kinds
+    declares two page-id spaces. So on a split layout a device buffer takes
+    device page ids even when it is the only kind a request targets (say a
+    pipeline stage mapped by ``dst_layer_ids`` onto device layers only), and
+    ``dst_device_kv_indices`` is required exactly when the request targets a
+    device buffer (and must be ``None`` when it targets only host buffers).
+    On a layout of one kind (an ordinary GPU decode, all ``"device"``, or all
+    ``"host"``) every buffer takes ``dst_kv_indices``, as sglang passes them,
+    and ``dst_device_kv_indices`` must be ``None``. ``dst_kv_ptrs`` are the
+    peer's buffer bases in ``peer.buffers`` order, checked against it.
 
     With ``coalesce``, pages where both the source and the destination ids go
     up by one are merged into one descriptor. Descriptors are ordered by buffer
@@ -475,20 +496,26 @@ def plan_transfer(
     src_pages = _as_indices("prefill_kv_indices", prefill_kv_indices)
     host_pages = _as_indices("dst_kv_indices", dst_kv_indices)
     device_pages: NDArray[np.int64] | None = None
+    device_target = pairing.device_target
     if dst_device_kv_indices is not None:
-        if pairing.split is None:
+        if not pairing.split:
             raise InvalidTransferError(
-                f"dst_device_kv_indices was given, but the peer's targeted buffers are all "
-                f"{pairing.groups[0].memory} buffers, so there is no split destination: every target takes "
-                "dst_kv_indices; pass None (device page ids are only for targets that mix host and device memory)"
+                f"dst_device_kv_indices was given, but the peer layout's buffers are all "
+                f"{peer.buffers[0].memory}: there is no split destination; pass None "
+                "(every buffer takes dst_kv_indices)"
+            )
+        if device_target is None:
+            raise InvalidTransferError(
+                "dst_device_kv_indices was given, but this request targets no device buffer: the peer layout "
+                "has host and device buffers (split destinations) and every target of this request is a host "
+                "buffer, addressed by dst_kv_indices; pass None"
             )
         device_pages = _as_indices("dst_device_kv_indices", dst_device_kv_indices)
-    elif pairing.split is not None:
-        h, d = pairing.split
+    elif device_target is not None:
         raise InvalidTransferError(
-            f"dst_device_kv_indices is None, but the peer's targeted buffers mix host and device memory "
-            f"({_peer_name(h, peer.buffers[h])} and {_peer_name(d, peer.buffers[d])} are both targets), "
-            "so device buffers need their own page ids: pass dst_device_kv_indices"
+            "dst_device_kv_indices is None, but the peer layout has host and device buffers (split destinations) "
+            f"and this request targets a device buffer, {_peer_name(device_target, peer.buffers[device_target])}: "
+            "pass dst_device_kv_indices"
         )
     n = src_pages.shape[0]
     for name, pages in (("dst_kv_indices", host_pages), ("dst_device_kv_indices", device_pages)):
@@ -508,9 +535,9 @@ def plan_transfer(
         describe=_local_name,
     )
     planned: list[tuple[_Group, _Runs]] = []
-    for g in pairing.groups:  # one, or (split) host then device
+    for g in pairing.groups:  # one, or (split layout) host and/or device
         pages = device_pages if g.device_ids else host_pages
-        assert pages is not None  # guaranteed by the split check above
+        assert pages is not None  # guaranteed by the device-target check above
         _check_range(g.index_name, pages, g.dst_limit, layout=peer, ids=g.dst_ids, describe=_peer_name)
         runs = _runs(src_pages, pages, coalesce)
         _safety_net(pairing, g, runs)

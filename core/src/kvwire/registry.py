@@ -226,7 +226,18 @@ class Registry:
         return self._validated(name, cls, PluginOrigin(name, dist, version, ep.value))
 
     def _validated(self, name: str, cls: Any, origin: PluginOrigin) -> BackendInfo:
-        result = validate_backend(cls, origin)
+        try:
+            result = validate_backend(cls, origin)
+        except Exception as exc:  # a validator bug must not take the other backends down
+            log.error("kvwire: validating backend %r raised %r", name, exc)
+            return BackendInfo(
+                name,
+                origin.distribution,
+                origin.version,
+                origin.entry_point,
+                "import-error",
+                error=f"validation raised {type(exc).__name__}: {exc}",
+            )
         info = BackendInfo(
             name,
             origin.distribution,
@@ -349,13 +360,6 @@ class Registry:
             middleware=middleware,
             spec_version=info.spec_version or "",
         )
-
-    def with_policy(self, policy: Policy) -> Registry:
-        """A registry over the same discovery with another policy."""
-        other = Registry(self.allow, policy, group=self.group)
-        with self._lock:
-            other._infos = None if self._infos is None else dict(self._infos)
-        return other
 
 
 _default: Registry | None = None

@@ -214,10 +214,5 @@ def features_at(version: SpecVersion) -> frozenset[str]:
     return frozenset(feature for param, feature in PARAMETER_FEATURES.items() if param in present)
 
 
-def parameter_since(hook: str, param: str) -> SpecVersion:
-    """The spec version that introduced ``param`` of ``hook``."""
-    return _since(hook, param)
-
-
 CURRENT = SpecVersion.parse(SPEC_VERSION)
 assert SPEC_HISTORY[-1].version == CURRENT, "SPEC_VERSION must be the newest release in SPEC_HISTORY"

@@ -123,6 +123,18 @@ def _compare_annotation(spec_ann: object, spec_text: str, impl_ann: object, func
     return None
 
 
+def _same_default(impl: object, spec: object) -> bool:
+    """Identity, else equality; an object whose ``==`` is not a bool (a numpy array) is different."""
+    if impl is spec:
+        return True
+    if impl is _EMPTY or spec is _EMPTY:
+        return False
+    try:
+        return bool(impl == spec)
+    except Exception:  # arrays raise "truth value is ambiguous"; anything odd is a mismatch
+        return False
+
+
 def _default_text(value: object) -> str:
     return "no default" if value is _EMPTY else f"default {value!r}"
 
@@ -202,7 +214,7 @@ def _compare_hook(hook: SpecHook, func: Callable[..., Any], is_method: bool) -> 
                 f"parameter `{sp.name}` is {_KIND_TEXT[p.kind]}, the spec's is positional-or-keyword",
                 f"make `{sp.name}` a plain parameter (move it out of the `/` or `*` section)",
             )
-        if not (p.default is sp.default or (p.default is not _EMPTY and p.default == sp.default)):
+        if not _same_default(p.default, sp.default):
             add(
                 "default-mismatch",
                 f"parameter `{sp.name}` has {_default_text(p.default)}, the spec's has {_default_text(sp.default)}",
@@ -327,10 +339,14 @@ def _declared_capabilities(cls: type, version: SpecVersion) -> tuple[frozenset[s
                 "capabilities",
                 f"`capabilities` must be a set of feature names, got {raw!r}",
                 f"declare e.g. `capabilities = frozenset({{'layer_ids', 'mha'}})`; known: {', '.join(FEATURES)}",
+                "capabilities: frozenset[str]",
+                f"capabilities = {raw!r}",
             )
         ]
     declared = frozenset(raw)
     issues: list[_Issue] = []
+    spec_side = f"capabilities <= {{{', '.join(sorted(FEATURES))}}}"
+    impl_side = f"capabilities = {{{', '.join(sorted(declared))}}}"
     for name in sorted(declared - set(FEATURES)):
         close = difflib.get_close_matches(name, list(FEATURES), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -340,6 +356,8 @@ def _declared_capabilities(cls: type, version: SpecVersion) -> tuple[frozenset[s
                 "capabilities",
                 f"unknown feature {name!r}{hint}",
                 f"use known feature names: {', '.join(FEATURES)}",
+                spec_side,
+                impl_side,
             )
         )
     later = {"layer_ids", "device_kv_indices"} - features_at(version)
@@ -350,6 +368,8 @@ def _declared_capabilities(cls: type, version: SpecVersion) -> tuple[frozenset[s
                 "capabilities",
                 f"declares {name!r}, but spec {version} has no parameter for it",
                 f"declare spec_version {CURRENT} and implement its parameters, or drop {name!r}",
+                f"spec {version}: send_kvcache parameters honour {sorted(features_at(version))}",
+                impl_side,
             )
         )
     return declared & set(FEATURES), issues
@@ -364,7 +384,15 @@ def _declared_version(cls: type) -> tuple[str | None, SpecVersion | None, list[_
     try:
         version = SpecVersion.parse(raw)
     except ValueError as exc:
-        return str(raw), None, [_Issue("spec_version", "spec-version", str(exc), f"declare one of: {known}")]
+        issue = _Issue(
+            "spec_version",
+            "spec-version",
+            str(exc),
+            f"declare one of: {known}",
+            f"spec_version in ({known})",
+            repr(raw),
+        )
+        return str(raw), None, [issue]
     if version.major != CURRENT.major:
         message = f"spec_version {version} is of major version {version.major}; this kvwire implements {CURRENT}"
         fix = f"install a kvwire whose spec major is {version.major}, or port the backend to spec {CURRENT}"
@@ -441,8 +469,3 @@ def _to_finding(issue: _Issue, origin: PluginOrigin) -> Finding:
         issue.impl_signature,
         issue.fix,
     )
-
-
-def summarize(findings: Sequence[Finding]) -> str:
-    """All findings, rendered for one log message or exception."""
-    return "\n\n".join(f.render() for f in findings)

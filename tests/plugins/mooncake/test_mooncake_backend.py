@@ -16,8 +16,8 @@ import pytest
 import kvwire
 from kvwire import BackendConfig
 from kvwire.testing.contract import *  # noqa: F403 - the contract suite, two real processes
-from kvwire.testing.harness import ContractHarness, fragmented_pages
-from kvwire.testing.receiver import LayoutSpec
+from kvwire.testing.harness import ContractHarness, expected_buffers, fragmented_pages
+from kvwire.testing.receiver import LayoutSpec, allocate, fill_random, hashes
 
 pytestmark = pytest.mark.slow
 
@@ -101,7 +101,7 @@ def test_killed_peer_errors_fast_and_another_peer_is_still_served() -> None:
             worker = threading.Thread(target=send)
             worker.start()
             started.wait()
-            pair.receiver.proc.kill()  # type: ignore[attr-defined]
+            pair.receiver.child.proc.kill()  # type: ignore[attr-defined]
             killed = time.monotonic()
             worker.join(timeout=30)
             assert not worker.is_alive()
@@ -113,6 +113,10 @@ def test_killed_peer_errors_fast_and_another_peer_is_still_served() -> None:
             ptrs = [b.base for b in second_receiver.layout.buffers]
             moved = pair.connection.send_kvcache(second_receiver.endpoint, prefill, ptrs, dst)
             assert moved == 256 * 65536 * 8
+            initial, _ = allocate(big)
+            fill_random(initial, 99)
+            expected = expected_buffers(pair.src, pair.local, initial, second_receiver.layout, prefill, dst)
+            assert second_receiver.hashes() == hashes(expected)
         finally:
             second_receiver.close()
 
@@ -121,7 +125,7 @@ def test_frozen_peer_times_out_within_the_configured_timeout() -> None:
     harness = ContractHarness("mooncake", two_process=True, config=BackendConfig(timeout_s=3.0))
     with harness.pair(SPEC, SPEC, 6) as pair:
         prefill, dst = _send_all(pair)
-        pid = pair.receiver.proc.pid  # type: ignore[attr-defined]
+        pid = pair.receiver.pid  # type: ignore[attr-defined]
         os.kill(pid, signal.SIGSTOP)
         try:
             start = time.monotonic()

@@ -91,7 +91,11 @@ class LocalBackend:
         )
         peer = _directory.get(session_id)
         if peer is None:
-            raise PeerUnreachableError(f"local endpoint {session_id!r} is closed or never existed", peer=session_id)
+            raise PeerUnreachableError(
+                f"local endpoint {session_id!r} is not in this process or was closed (the local backend only "
+                "reaches endpoints of its own process)",
+                peer=session_id,
+            )
         if peer._layout != peer_layout:
             raise InvalidTransferError(
                 f"session_id {session_id!r}: the layout given to add_peer differs from the one the peer registered"

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -24,10 +22,12 @@ from numpy.typing import NDArray
 
 from kvwire.benchmark.pools import Pool
 from kvwire.benchmark.presets import PRESETS, get_preset
-from kvwire.benchmark.wire import digest, parse_peer_description, read_message, send_message
+from kvwire.benchmark.wire import digest, is_split, parse_peer_description
 from kvwire.config import BackendConfig
 from kvwire.connection import Connection
+from kvwire.control import ChildProcess
 from kvwire.errors import ConfigError
+from kvwire.layout import KVLayout
 from kvwire.planning import plan_transfer
 from kvwire.registry import connect
 
@@ -78,11 +78,20 @@ def _place(rng: np.random.Generator, num_pages: int, lengths: NDArray[np.int64],
     return np.concatenate([np.arange(s, s + n) for s, n in zip(starts + offsets, lengths)]).astype(np.int32)
 
 
+def _engine(conn: Connection) -> object:
+    return getattr(getattr(conn.backend, "transport", None), "engine", None)
+
+
 def _raw_writer(conn: Connection) -> RawWrite | None:
-    transport = getattr(conn.backend, "transport", None)
-    engine = getattr(transport, "engine", None)
-    raw = getattr(engine, "raw_write", None)
+    """The backend engine's bare call (kvwire-mooncake's ``MooncakeEngine.raw_write``), if it has one."""
+    raw = getattr(_engine(conn), "raw_write", None)
     return raw if callable(raw) else None
+
+
+def _engine_writer(conn: Connection) -> RawWrite | None:
+    """The backend engine's checked write, to send a plan kvwire did not coalesce."""
+    write = getattr(_engine(conn), "write", None)
+    return write if callable(write) else None
 
 
 class _Progress:
@@ -103,45 +112,44 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.array(values), q)) if values else 0.0
 
 
-def run(args: argparse.Namespace) -> int:
+def _check_arguments(args: argparse.Namespace) -> None:
     for name in ("requests", "tokens", "mean_run"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.timeout <= 0:
+        raise ConfigError(f"--timeout must be > 0, got {args.timeout}")
+    get_preset(args.preset)
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_arguments(args)
     preset = get_preset(args.preset)
     pages_per_request = -(-args.tokens // preset.page_tokens)
     pool_pages = 5 * pages_per_request + 8 * args.mean_run + 64  # room to scatter runs of up to 4x the mean
+    config = BackendConfig(
+        timeout_s=args.timeout,
+        max_inflight_per_peer=args.inflight,
+        max_descriptors_per_call=min(1024, args.inflight),
+    )
     decode_args = {
         "backend": args.backend,
         "preset": preset.name,
         "pages": pool_pages,
         "seed": args.seed + 1,
         "device": args.device,
-        "timeout_s": args.timeout,
+        "config": config.to_dict(),
     }
-    env = dict(os.environ)
-    decode = subprocess.Popen(
-        [sys.executable, "-m", "kvwire.benchmark.decode", json.dumps(decode_args)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    assert decode.stdin is not None and decode.stdout is not None
+    decode = ChildProcess("kvwire.benchmark.decode", [json.dumps(decode_args)], what="decode process")
     try:
-        endpoint, peer_layout = parse_peer_description(read_message(decode.stdout))
+        endpoint, peer_layout = parse_peer_description(decode.read())
         pool = Pool(preset, pool_pages, decode_side=False)
         pool.fill_random(args.seed)
-        config = BackendConfig(timeout_s=args.timeout, max_inflight_per_peer=args.inflight)
         with connect(args.backend, config) as conn:
             conn.register_kv_buffers(pool.layout)
             conn.add_peer(endpoint, peer_layout)
             result = _measure(args, conn, pool, endpoint, peer_layout, pages_per_request, decode)
-        send_message(decode.stdin, {"cmd": "quit"})
-        decode.wait(timeout=30)
     finally:
-        if decode.poll() is None:
-            decode.kill()
-            decode.wait()
+        decode.close()
     result.update(backend=args.backend, preset=preset.name, backing=pool.backing)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -155,17 +163,19 @@ def _measure(
     conn: Connection,
     pool: Pool,
     endpoint: str,
-    peer_layout: Any,
+    peer_layout: KVLayout,
     pages_per_request: int,
-    decode: subprocess.Popen[str],
+    decode: ChildProcess,
 ) -> dict[str, Any]:
-    assert decode.stdin is not None and decode.stdout is not None
     rng = np.random.default_rng(args.seed + 7)
     ptrs = [b.base for b in peer_layout.buffers]
-    split = peer_layout.has_memory("device")
+    split = is_split(peer_layout)
     raw = _raw_writer(conn) if args.compare_raw else None
     if args.compare_raw and raw is None:
         raise ConfigError(f"--compare-raw: backend {args.backend!r} exposes no raw engine call")
+    engine_write = _engine_writer(conn) if args.compare_uncoalesced else None
+    if args.compare_uncoalesced and engine_write is None:
+        raise ConfigError(f"--compare-uncoalesced: backend {args.backend!r} exposes no engine write")
     latencies: list[float] = []
     seconds_by_mode = {"raw": 0.0, "uncoalesced": 0.0}
     total = 0
@@ -184,18 +194,21 @@ def _measure(
         plan = plan_transfer(pool.layout, peer_layout, src, ptrs, dst, None, dev)
         before += plan.descriptors_before
         after += len(plan)
+        pages = {"host_pages": dst.tolist(), "device_pages": None if dev is None else dev.tolist()}
         modes: list[tuple[str, Callable[[], object]]] = [
             ("kvwire", partial(conn.send_kvcache, endpoint, src, ptrs, dst, None, None, dev)),
         ]
         if raw is not None:
             modes.append(("raw", partial(raw, endpoint, plan.src, plan.dst, plan.length)))
-        if args.compare_uncoalesced:
+        if engine_write is not None:
             flat = plan_transfer(pool.layout, peer_layout, src, ptrs, dst, None, dev, coalesce=False)
-            write = conn.backend.transport.engine.write
-            modes.append(("uncoalesced", partial(write, endpoint, flat.src, flat.dst, flat.length)))
+            modes.append(("uncoalesced", partial(engine_write, endpoint, flat.src, flat.dst, flat.length)))
         # Identical bytes to identical places in every mode; the order rotates per request so that
         # drift in the machine's load falls on every mode alike.
+        ok = False
         for name, call in modes[i % len(modes) :] + modes[: i % len(modes)]:
+            if name == "kvwire":  # fresh random bytes in the target pages: only kvwire's own write can pass
+                decode.request({"cmd": "scramble", **pages})
             start = time.perf_counter()
             outcome = call()
             elapsed = time.perf_counter() - start
@@ -203,20 +216,10 @@ def _measure(
                 assert isinstance(outcome, int)
                 latencies.append(elapsed)
                 total += outcome
+                expected = digest(pool.views, src.astype(np.int64))
+                ok = bool(decode.request({"cmd": "verify", "digest": expected, **pages})["ok"])
             else:
                 seconds_by_mode[name] += elapsed
-        expected = digest(pool.views, src.astype(np.int64))
-        send_message(
-            decode.stdin,
-            {
-                "cmd": "verify",
-                "id": i,
-                "digest": expected,
-                "host_pages": dst.tolist(),
-                "device_pages": None if dev is None else dev.tolist(),
-            },
-        )
-        ok = bool(read_message(decode.stdout)["ok"])
         verified = verified and ok
         progress.step("verified" if ok else "MISMATCH")
     seconds = sum(latencies)
@@ -234,7 +237,7 @@ def _measure(
     if raw is not None:
         result["raw_gbps"] = round(total / seconds_by_mode["raw"] / 1e9, 3)
         result["ratio"] = round(result["gbps"] / result["raw_gbps"], 3)
-    if args.compare_uncoalesced:
+    if engine_write is not None:
         result["uncoalesced_gbps"] = round(total / seconds_by_mode["uncoalesced"] / 1e9, 3)
         result["coalescing_speedup"] = round(result["gbps"] / result["uncoalesced_gbps"], 2)
     return result

@@ -1,22 +1,22 @@
-"""The bench's control channel: JSON lines over the decode process's stdin/stdout (no pickle).
+"""What the bench's two processes exchange: the peer description, and page digests.
 
-The decode side's first line is its peer description: endpoint id and layout,
-versioned, validated by the prefill side before use.
+The decode side's first message on the control channel (:mod:`kvwire.control`)
+is its peer description: endpoint id and layout, versioned, validated by the
+prefill side before use.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.layout import KVLayout, LayoutError
 
-__all__ = ["PEER_FORMAT", "digest", "parse_peer_description", "peer_description", "read_message", "send_message"]
+__all__ = ["PEER_FORMAT", "digest", "is_split", "parse_peer_description", "peer_description"]
 
 PEER_FORMAT = "kvwire.peer"
 PEER_VERSION = 1
@@ -38,21 +38,9 @@ def parse_peer_description(data: Any) -> tuple[str, KVLayout]:
     return endpoint, KVLayout.from_dict(data.get("layout"))  # type: ignore[arg-type]
 
 
-def send_message(stream: IO[str], message: dict[str, Any]) -> None:
-    stream.write(json.dumps(message, separators=(",", ":")) + "\n")
-    stream.flush()
-
-
-def read_message(stream: IO[str]) -> dict[str, Any]:
-    line = stream.readline()
-    if not line:
-        raise EOFError("control channel closed")
-    message = json.loads(line)
-    if not isinstance(message, dict):
-        raise ValueError(f"control message must be a JSON object, got {line[:200]!r}")
-    if "error" in message:
-        raise RuntimeError(f"peer reported: {message['error']}")
-    return message
+def is_split(layout: KVLayout) -> bool:
+    """A layout with both host and device buffers is a split destination (HiSparse): two page-id spaces."""
+    return layout.has_memory("host") and layout.has_memory("device")
 
 
 def digest(views: Sequence[NDArray[np.uint8]], pages: NDArray[np.int64]) -> str:

@@ -11,9 +11,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvwire.capabilities import FEATURES
 from kvwire.errors import InvalidTransferError, UnsupportedFeatureError
+from kvwire.spec import known_versions
 from kvwire.testing.harness import ContractHarness, Pair, fragmented_pages
 from kvwire.testing.receiver import LayoutSpec
+from kvwire.validator import validate_backend
 
 __all__ = [
     "kvwire_invalid_pair",
@@ -40,10 +43,13 @@ def _needs(harness: ContractHarness, *features: str) -> None:
 
 
 def test_contract_signature(kvwire_harness: ContractHarness) -> None:
-    """The backend validates against the spec with no finding."""
+    """The backend class, validated afresh, matches the spec with no finding and a known version."""
     info = kvwire_harness.info
-    assert info.status in ("ok", "adapted"), info.reason()
-    assert info.findings == ()
+    result = validate_backend(info.cls, info.origin)
+    assert result.findings == (), "\n".join(f.render() for f in result.findings)
+    assert result.status in ("ok", "adapted")
+    assert result.spec_version in {str(v) for v in known_versions()}
+    assert result.capabilities <= set(FEATURES)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -92,7 +98,6 @@ def test_contract_split_destinations(kvwire_harness: ContractHarness) -> None:
     rng = np.random.default_rng(5)
     prefill = fragmented_pages(rng, 24, 10)
     host, device = fragmented_pages(rng, 64, 10), fragmented_pages(rng, 64, 10)
-    peer_spec = LayoutSpec("mla", (0,), 64, 1152, device_layers=(1, 2))
     if "device_memory" not in kvwire_harness.capabilities:
         pytest.skip(f"backend {kvwire_harness.backend!r} does not declare 'device_memory'")
     with kvwire_harness.pair(local_spec, peer_spec, 5) as pair:

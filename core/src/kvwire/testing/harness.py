@@ -56,14 +56,20 @@ def expected_buffers(
     dst_layer_ids: Sequence[int] | None = None,
     dst_device_pages: NDArray[np.integer] | None = None,
 ) -> list[NDArray[np.uint8]]:
-    """The receiver's buffers after a correct transfer (copies of ``dst`` updated page by page)."""
+    """The receiver's buffers after a correct transfer (copies of ``dst`` updated page by page).
+
+    A peer layout with both host and device buffers is a split destination: its
+    device buffers take ``dst_device_pages``, its host buffers ``dst_pages``,
+    whichever buffers the request targets. A layout of one kind takes
+    ``dst_pages`` everywhere.
+    """
     out = [a.copy() for a in dst]
     local_layers = list(local.layers)
     pairs = []
     for i, sbuf in enumerate(local.buffers):
         layer = sbuf.layer if dst_layer_ids is None else dst_layer_ids[local_layers.index(sbuf.layer)]
         pairs += [(i, j) for j, d in enumerate(peer.buffers) if d.layer == layer and d.role == sbuf.role]
-    split = len({peer.buffers[j].memory for _, j in pairs}) > 1  # page ids split only when targets mix kinds
+    split = len({b.memory for b in peer.buffers}) > 1  # the peer LAYOUT mixes kinds, not the request's targets
     for i, j in pairs:
         pages = dst_device_pages if split and peer.buffers[j].memory == "device" else dst_pages
         assert pages is not None
@@ -132,10 +138,6 @@ class Pair:
     def untouched_hashes(self) -> list[str]:
         return hashes(self.initial_peer())
 
-    def reset_peer(self, seed: int) -> None:
-        self.receiver.reset(seed)
-        self.peer_seed = seed
-
 
 class ContractHarness:
     """Creates sender/receiver pairs of one backend, in one process or two."""
@@ -155,7 +157,7 @@ class ContractHarness:
         """A sender with ``local_spec`` (random data from ``seed``) connected to a receiver with ``peer_spec``."""
         peer_seed = seed + 1_000_003
         receiver: Receiver = (
-            SubprocessReceiver(self.backend, peer_spec, peer_seed)
+            SubprocessReceiver(self.backend, peer_spec, peer_seed, self.config)
             if self.two_process
             else InProcessReceiver(self.backend, peer_spec, peer_seed, self.config)
         )

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol, cast
@@ -20,6 +18,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.config import BackendConfig
+from kvwire.control import ChildProcess, read_command, reply
 from kvwire.layout import KVBuffer, KVLayout, MemoryKind, Role
 
 __all__ = ["InProcessReceiver", "LayoutSpec", "Receiver", "SubprocessReceiver", "allocate", "fill_random"]
@@ -91,7 +90,6 @@ class Receiver(Protocol):
     endpoint: str
     layout: KVLayout
 
-    def reset(self, seed: int) -> None: ...
     def hashes(self) -> list[str]: ...
     def close(self) -> None: ...
 
@@ -108,9 +106,6 @@ class InProcessReceiver:
         self.connection.register_kv_buffers(self.layout)
         self.endpoint = self.connection.endpoint()
 
-    def reset(self, seed: int) -> None:
-        fill_random(self.arrays, seed)
-
     def hashes(self) -> list[str]:
         return hashes(self.arrays)
 
@@ -119,73 +114,54 @@ class InProcessReceiver:
 
 
 class SubprocessReceiver:
-    """A receiver in a child process, driven over JSON lines."""
+    """A receiver in a child process (``python -m kvwire.testing.serve``), over the control channel."""
 
-    def __init__(self, backend: str, spec: LayoutSpec, seed: int, timeout_s: float = 60.0) -> None:
-        self.timeout_s = timeout_s
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvwire.testing.serve", backend, json.dumps(spec.to_dict()), str(seed)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
+    def __init__(
+        self, backend: str, spec: LayoutSpec, seed: int, config: BackendConfig | None = None, timeout_s: float = 60.0
+    ) -> None:
+        settings = json.dumps((config or BackendConfig()).to_dict())
+        self.child = ChildProcess(
+            "kvwire.testing.serve",
+            [backend, json.dumps(spec.to_dict()), str(seed), settings],
+            what=f"receiver of backend {backend!r}",
+            timeout_s=timeout_s,
         )
-        hello = self._read()
-        self.endpoint = cast(str, hello["endpoint"])
-        self.layout = KVLayout.from_dict(hello["layout"])
+        try:
+            hello = self.child.read()
+            self.endpoint = cast(str, hello["endpoint"])
+            self.layout = KVLayout.from_dict(hello["layout"])
+        except BaseException:
+            self.child.close()
+            raise
 
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            code = self.proc.wait(timeout=self.timeout_s)
-            raise RuntimeError(f"receiver process exited with code {code} before answering")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(f"receiver process failed: {reply['error']}")
-        return cast(dict[str, Any], reply)
-
-    def _ask(self, command: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def reset(self, seed: int) -> None:
-        self._ask({"cmd": "reset", "seed": seed})
+    @property
+    def pid(self) -> int:
+        return self.child.pid
 
     def hashes(self) -> list[str]:
-        return cast(list[str], self._ask({"cmd": "hashes"})["hashes"])
+        return cast(list[str], self.child.request({"cmd": "hashes"})["hashes"])
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self._ask({"cmd": "quit"})
-                self.proc.wait(timeout=self.timeout_s)
-            except (OSError, RuntimeError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+        self.child.close()
 
 
-def serve(backend: str, spec_json: str, seed: int) -> int:
+def serve(backend: str, spec_json: str, seed: int, config_json: str = "{}") -> int:
     """Run a receiver for the parent process over stdin/stdout (``python -m kvwire.testing.serve``)."""
-    out = sys.stdout
     try:
-        receiver = InProcessReceiver(backend, LayoutSpec.from_dict(json.loads(spec_json)), seed)
+        config = BackendConfig.from_dict(json.loads(config_json))
+        receiver = InProcessReceiver(backend, LayoutSpec.from_dict(json.loads(spec_json)), seed, config)
     except Exception as exc:
-        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), file=out, flush=True)
+        reply({"error": f"{type(exc).__name__}: {exc}"})
         return 1
-    print(json.dumps({"endpoint": receiver.endpoint, "layout": receiver.layout.to_dict()}), file=out, flush=True)
-    for line in sys.stdin:
-        command = json.loads(line)
-        if command["cmd"] == "reset":
-            receiver.reset(int(command["seed"]))
-            reply: dict[str, Any] = {"ok": True}
-        elif command["cmd"] == "hashes":
-            reply = {"hashes": receiver.hashes()}
-        else:
-            receiver.close()
-            print(json.dumps({"ok": True}), file=out, flush=True)
-            return 0
-        print(json.dumps(reply), file=out, flush=True)
-    receiver.close()
+    reply({"endpoint": receiver.endpoint, "layout": receiver.layout.to_dict()})
+    try:
+        while (command := read_command()) is not None and command.get("cmd") != "quit":
+            if command.get("cmd") == "hashes":
+                reply({"hashes": receiver.hashes()})
+            else:
+                reply({"error": f"unknown command {command.get('cmd')!r}"})
+    finally:
+        receiver.close()
+    if command is not None:
+        reply({"ok": True})
     return 0

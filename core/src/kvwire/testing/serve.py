@@ -1,8 +1,12 @@
-"""Entry point of a contract-test receiver process: ``python -m kvwire.testing.serve BACKEND SPEC SEED``."""
+"""Entry point of a contract-test receiver process.
+
+``python -m kvwire.testing.serve BACKEND LAYOUT_SPEC_JSON SEED [BACKEND_CONFIG_JSON]``
+"""
 
 import sys
 
 from kvwire.testing.receiver import serve
 
 if __name__ == "__main__":
-    sys.exit(serve(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+    config = sys.argv[4] if len(sys.argv) > 4 else "{}"
+    sys.exit(serve(sys.argv[1], sys.argv[2], int(sys.argv[3]), config))

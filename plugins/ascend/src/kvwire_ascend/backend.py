@@ -13,8 +13,10 @@ Options (``BackendConfig.options``):
         ``"host-double"``, the test seam: an in-process engine double that copies
         host memory, so planning and error paths run on any CPU.
 The engine protocol is Mooncake's ``"ascend"`` unless ``BackendConfig.protocol``
-names another than the default ``"tcp"``; ``BackendConfig.device`` is passed to
-the engine as its device name.
+names another than the default ``"tcp"`` (so plain TCP cannot be chosen for this
+backend: use ``mooncake`` for that). ``BackendConfig.device`` is passed to the
+engine as its device name, and a value like ``"npu:3"`` also selects that NPU
+for torch_npu. None of this NPU path runs on this repository's CI machines.
 """
 
 from __future__ import annotations
@@ -48,8 +50,10 @@ def _engine_factory(config: BackendConfig) -> Callable[[], Any] | None:
     reason = npu_unavailable_reason()
     if reason is not None:
         raise BackendUnavailableError(f"backend 'ascend' (kvwire-ascend) cannot run on this machine: {reason}")
-    import torch_npu  # noqa: F401 - initialises the NPU runtime before the engine touches device memory
+    import torch_npu  # initialises the NPU runtime before the engine touches device memory
 
+    if config.device.startswith("npu:"):  # BackendConfig.device names the NPU, e.g. "npu:3"
+        torch_npu.npu.set_device(config.device)
     return None  # the real Mooncake engine, with the Ascend protocol
 
 

@@ -31,11 +31,23 @@ class KVTransport:
         self.peers: dict[str, KVLayout] = {}
 
     def register(self, layout: KVLayout) -> None:
-        """Register every buffer of ``layout`` with the engine (replacing a previous layout)."""
+        """Register every buffer of ``layout`` with the engine, replacing a previous layout.
+
+        All or nothing: if one buffer cannot be registered, those registered so far are
+        unregistered again and no layout is recorded (the previous one is already gone).
+        """
         if self.layout is not None:
             self.engine.unregister_all()
-        for buf in layout.buffers:
-            self.engine.register(buf.base, buf.nbytes)
+            self.layout = None
+        done: list[int] = []
+        try:
+            for buf in layout.buffers:
+                self.engine.register(buf.base, buf.nbytes)
+                done.append(buf.base)
+        except BaseException:
+            for base in done:
+                self.engine.unregister(base)
+            raise
         self.layout = layout
 
     def add_peer(self, session_id: str, layout: KVLayout) -> None:
