@@ -245,6 +245,13 @@ def _default_engine_factory() -> Callable[[], TransferEngineLike]:
     return factory
 
 
+#: Held for the whole window in which fd 2 is redirected (dup, dup2, restore, write-back):
+#: fd 2 is process-wide, so two overlapping windows (two engines created at once) would
+#: restore each other's temp file and leave fd 2 pointing at a deleted file. Reentrant,
+#: so an engine factory that itself creates an engine cannot deadlock.
+_STDERR_LOCK: Final = threading.RLock()
+
+
 @contextmanager
 def _captured_stderr(enabled: bool) -> Iterator[list[str]]:
     """Capture file descriptor 2 for the block; yields a list that receives the engine's lines.
@@ -253,33 +260,38 @@ def _captured_stderr(enabled: bool) -> Iterator[list[str]]:
     level. Lines in glog's format are kept out of the terminal (and handed to the
     caller, for an error message); anything else written meanwhile, such as
     another thread's traceback, is written back to fd 2 afterwards. fd 2 is
-    always restored.
+    always restored. Captures are serialised process-wide (``_STDERR_LOCK``), so
+    engines created concurrently wait for each other here.
     """
     lines: list[str] = []
     if not enabled:
         yield lines
         return
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError, AttributeError):
-        yield lines
-        return
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
+    with _STDERR_LOCK:
         try:
+            sys.stderr.flush()
+            saved = os.dup(2)
+        except (OSError, ValueError, AttributeError):
             yield lines
+            return
+        try:
+            with tempfile.TemporaryFile() as tmp:
+                os.dup2(tmp.fileno(), 2)
+                try:
+                    yield lines
+                finally:
+                    with suppress(OSError, ValueError, AttributeError):
+                        sys.stderr.flush()
+                    os.dup2(saved, 2)
+                    tmp.seek(0)
+                    other: list[str] = []
+                    for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
+                        (lines if _GLOG_LINE.match(line) else other).append(line.rstrip("\n"))
+                    if other:
+                        with suppress(OSError):
+                            os.write(2, ("\n".join(other) + "\n").encode())
         finally:
-            with suppress(OSError, ValueError, AttributeError):
-                sys.stderr.flush()
-            os.dup2(saved, 2)
             os.close(saved)
-            tmp.seek(0)
-            other: list[str] = []
-            for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
-                (lines if _GLOG_LINE.match(line) else other).append(line.rstrip("\n"))
-            if other:
-                os.write(2, ("\n".join(other) + "\n").encode())
 
 
 # ----------------------------------------------------------------------------- worker threads
@@ -513,14 +525,27 @@ class MooncakeEngine:
         return engine
 
     def _destroy(self, slot: _Slot) -> None:
-        """Unregister the slot's memory and drop its engine (Mooncake's destructor takes ~0.5-1 s)."""
+        """Unregister the slot's memory, close and drop its engine (Mooncake's destructor takes ~0.5-1 s).
+
+        Mooncake's binding has no ``close``; an engine that has one (such as
+        :class:`~kvwire_mooncake.engine_double.HostMemoryEngine`, which leaves its
+        process-wide registry) is closed. Failures here are swallowed: the slot is
+        already out of use and the caller is tearing down.
+        """
         engine, slot.engine = slot.engine, None
         if engine is None:
             return
-        for ptr in sorted(slot.registered):
-            engine.unregister_memory(ptr)
-        slot.registered.clear()
-        del engine
+        try:
+            for ptr in sorted(slot.registered):
+                with suppress(Exception):
+                    engine.unregister_memory(ptr)
+            slot.registered.clear()
+            close = getattr(engine, "close", None)
+            if callable(close):
+                with suppress(Exception):
+                    close()
+        finally:
+            del engine
 
     def _release_slot(self, slot: _Slot) -> None:
         with self._lock:
@@ -717,7 +742,8 @@ class MooncakeEngine:
             TransferTimeoutError: no completion within ``config.timeout_s`` (frozen or
                 overloaded peer), or an earlier write to this peer is still stuck.
             TransferError: the peer answers but the write failed, most likely a
-                destination outside its registered memory (the whole call is rejected).
+                destination outside its registered memory (the whole call is rejected);
+                also when renewing the sending engine to recover a broken session failed.
         """
         if not isinstance(session_id, str) or not session_id:
             raise InvalidTransferError(f"session_id must be a non-empty str, got {session_id!r}")
@@ -751,7 +777,18 @@ class MooncakeEngine:
         if not failed:
             return
         error, renew_from = self._classify(session_id, failed[0], len(failed), nbytes)
-        if renew_from is None or not self._renew(renew_from, peer):
+        if renew_from is None:
+            raise error
+        try:
+            renewed = self._renew(renew_from, peer)
+        except Exception as exc:  # a write raises TransferError, whatever the factory raised
+            code = exc.code if isinstance(exc, TransferError) and exc.code is not None else error.code
+            raise TransferError(
+                f"{error}; renewing the sending engine to recover the session failed: {type(exc).__name__}: {exc}",
+                code=code,
+                peer=session_id,
+            ) from exc
+        if not renewed:
             raise error
         # Writing the same bytes twice is harmless: retry the failed calls and send the rest.
         retry = sorted([o.chunk for o in failed] + unsent)
@@ -1040,7 +1077,6 @@ class MooncakeEngine:
                 peer.last_renewal = now
                 if self._sender is not old:
                     return True  # another thread renewed it meanwhile
-            self._renewals += 1
             name = self.config.host
             engine = self._create_engine(name)
             slot = _Slot(engine, name)
@@ -1056,6 +1092,7 @@ class MooncakeEngine:
                 raise
             with self._lock:
                 self._sender = slot
+            self._renewals += 1
             if old is not self._primary:
                 self._retire(old)
             return True

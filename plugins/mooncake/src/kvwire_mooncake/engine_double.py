@@ -2,7 +2,8 @@
 
 It has the engine's call surface and return-code conventions (0 ok, negative
 error; overlapping registrations -7; a remote range outside the peer's
-registered memory fails the whole batch) and moves bytes with ``memmove``
+registered memory fails the whole batch; ``send_probe`` answers 0 for a live
+peer and -102 ``ERR_SOCKET`` otherwise) and moves bytes with ``memmove``
 between engines of one process. Backends accept it through their
 ``engine_factory`` seam, so their planning and error paths are tested on any
 CPU without the engine or the accelerator.
@@ -24,6 +25,7 @@ _lock = threading.Lock()
 OK = 0
 ERR_INVALID = -1
 ERR_OVERLAP = -7
+ERR_SOCKET = -102
 
 
 class HostMemoryEngine:
@@ -35,6 +37,7 @@ class HostMemoryEngine:
         self.regions: dict[int, int] = {}
         self.protocol = ""
         self.device = ""
+        self._closed = False
 
     def initialize(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str) -> int:
         with _lock:
@@ -72,6 +75,16 @@ class HostMemoryEngine:
             ctypes.memmove(int(d), int(s), int(n))
         return OK
 
+    def send_probe(self, target_hostname: str) -> int:
+        """0 if ``target_hostname`` is a live engine of this process, else -102 (``ERR_SOCKET``), as Mooncake."""
+        return OK if _engines.get(target_hostname) is not None else ERR_SOCKET
+
     def close(self) -> None:
+        """Leave the process-wide registry (no longer a peer); idempotent."""
         with _lock:
-            _engines.pop(f"{self.host}:{self.port}", None)
+            if self._closed:
+                return
+            self._closed = True
+            key = f"{self.host}:{self.port}"
+            if _engines.get(key) is self:
+                del _engines[key]
