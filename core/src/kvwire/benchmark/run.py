@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from kvwire.benchmark.fragment import place, run_lengths
 from kvwire.benchmark.pools import Pool
 from kvwire.benchmark.presets import PRESETS, get_preset
 from kvwire.benchmark.wire import digest, is_split, parse_peer_description
@@ -54,28 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-raw", action="store_true", help="also time the raw engine call, same descriptors")
     parser.add_argument("--compare-uncoalesced", action="store_true", help="also time one descriptor per page")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-
-
-def _run_lengths(rng: np.random.Generator, count: int, mean_run: int) -> NDArray[np.int64]:
-    """Run lengths (geometric, mean ``mean_run``, at most ``4 * mean_run``) summing to ``count``."""
-    lengths: list[int] = []
-    total = 0
-    while total < count:
-        run = int(min(rng.geometric(1.0 / mean_run), 4 * mean_run, count - total))
-        lengths.append(run)
-        total += run
-    return np.array(lengths, np.int64)
-
-
-def _place(rng: np.random.Generator, num_pages: int, lengths: NDArray[np.int64], mean_run: int) -> NDArray[np.int32]:
-    """Pages for runs of ``lengths`` at random, non-adjacent places in a pool (a fragmented allocator)."""
-    slot = 4 * mean_run + 1  # a run never fills its slot, so runs never touch: no accidental merging
-    slots = num_pages // slot
-    if slots < lengths.size:
-        raise ConfigError(f"pool of {num_pages} pages is too small for {lengths.size} runs of mean {mean_run}")
-    starts = rng.choice(slots, size=lengths.size, replace=False) * slot
-    offsets = rng.integers(0, slot - lengths)
-    return np.concatenate([np.arange(s, s + n) for s, n in zip(starts + offsets, lengths)]).astype(np.int32)
 
 
 def _engine(conn: Connection) -> object:
@@ -125,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     _check_arguments(args)
     preset = get_preset(args.preset)
     pages_per_request = -(-args.tokens // preset.page_tokens)
-    pool_pages = 5 * pages_per_request + 8 * args.mean_run + 64  # room to scatter runs of up to 4x the mean
+    pool_pages = 4 * pages_per_request + 64  # room for the runs and the 1-3 free pages after each
     config = BackendConfig(
         timeout_s=args.timeout,
         max_inflight_per_peer=args.inflight,
@@ -186,11 +165,11 @@ def _measure(
     conn.send_kvcache(endpoint, one, ptrs, one, None, None, one if split else None)  # warm-up: handshake
     for i in range(args.requests):
         # The same run lengths on both sides, so a request's mean run really is --mean-run after coalescing.
-        lengths = _run_lengths(rng, pages_per_request, args.mean_run)
+        lengths = run_lengths(rng, pages_per_request, args.mean_run)
         peer_pages = peer_layout.buffers[0].num_pages
-        src = _place(rng, pool.num_pages, lengths, args.mean_run)
-        dst = _place(rng, peer_pages, lengths, args.mean_run)
-        dev = _place(rng, peer_pages, lengths, args.mean_run) if split else None
+        src = place(rng, lengths, pool.num_pages).astype(np.int32)
+        dst = place(rng, lengths, peer_pages).astype(np.int32)
+        dev = place(rng, lengths, peer_pages).astype(np.int32) if split else None
         plan = plan_transfer(pool.layout, peer_layout, src, ptrs, dst, None, dev)
         before += plan.descriptors_before
         after += len(plan)
