@@ -7,15 +7,26 @@ non-touching places, so after coalescing a request's mean run is the chosen one.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["place", "run_lengths"]
+__all__ = ["RunShape", "place", "run_lengths"]
 
 
-def run_lengths(rng: np.random.Generator, pages: int, mean_run: int) -> NDArray[np.int64]:
-    """Random run lengths (geometric, mean ``mean_run``) adding up to ``pages``."""
-    drawn: NDArray[np.int64] = rng.geometric(1.0 / mean_run, size=pages).astype(np.int64)
+RunShape = Literal["geometric", "fixed"]
+
+
+def run_lengths(
+    rng: np.random.Generator, pages: int, mean_run: int, shape: RunShape = "geometric"
+) -> NDArray[np.int64]:
+    """Run lengths adding up to ``pages``: geometric with mean ``mean_run`` (an allocator's
+    free-list after churn: many short runs, a few long ones), or all exactly ``mean_run``."""
+    if shape == "fixed":
+        drawn: NDArray[np.int64] = np.full(pages, mean_run, dtype=np.int64)
+    else:
+        drawn = rng.geometric(1.0 / mean_run, size=pages).astype(np.int64)
     total = np.cumsum(drawn)
     k = int(np.searchsorted(total, pages))
     lengths: NDArray[np.int64] = drawn[: k + 1].copy()

@@ -43,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=16, help="number of requests (default 16)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per request (default 4096)")
     parser.add_argument("--mean-run", type=int, default=8, help="mean run of consecutive pages (default 8)")
+    parser.add_argument(
+        "--run-shape",
+        choices=("geometric", "fixed"),
+        default="geometric",
+        help="run lengths: geometric with mean --mean-run (default), or all exactly --mean-run",
+    )
     parser.add_argument("--device", default="cpu", help="where decode-side device buffers live (cpu, cuda)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=10.0, help="transfer timeout in seconds")
@@ -165,7 +171,7 @@ def _measure(
     conn.send_kvcache(endpoint, one, ptrs, one, None, None, one if split else None)  # warm-up: handshake
     for i in range(args.requests):
         # The same run lengths on both sides, so a request's mean run really is --mean-run after coalescing.
-        lengths = run_lengths(rng, pages_per_request, args.mean_run)
+        lengths = run_lengths(rng, pages_per_request, args.mean_run, args.run_shape)
         peer_pages = peer_layout.buffers[0].num_pages
         src = place(rng, lengths, pool.num_pages).astype(np.int32)
         dst = place(rng, lengths, peer_pages).astype(np.int32)
