@@ -46,9 +46,9 @@ def test_known_vector_through_the_backend_planning_path() -> None:
     backend = HiSparseBackend(kvwire.BackendConfig())
     try:
         local, peer = _known_layouts()
-        backend.transport.layout = local  # planning only: these synthetic addresses are never registered
+        backend.transport.layouts.register(local)  # planning only: synthetic addresses, never registered
         backend.add_peer("decode:1", peer)
-        plan = backend.transport.plan(
+        plan = backend.transport.layouts.plan(
             "decode:1",
             np.array([1, 2], np.int32),
             [10000, 20000, 30000],

@@ -22,6 +22,6 @@ def test_failed_registration_rolls_back() -> None:
     broken = KVLayout((KVBuffer(base, 64, 4, 0, "k"), KVBuffer(base + 64, 64, 2, 0, "k", "device")))
     with pytest.raises(InvalidTransferError, match="overlaps the registered range"):
         transport.register(broken)
-    assert transport.layout is None
+    assert transport.layouts.local is None
     assert transport.engine.registered == ()  # the first buffer's registration was rolled back
     transport.close()

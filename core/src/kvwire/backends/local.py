@@ -23,7 +23,8 @@ from kvwire.config import BackendConfig
 from kvwire.errors import InvalidTransferError, PeerUnreachableError
 from kvwire.layout import KVLayout
 from kvwire.markers import hookimpl
-from kvwire.planning import TransferPlan, plan_transfer
+from kvwire.peers import LayoutBook
+from kvwire.planning import TransferPlan
 
 __all__ = ["LocalBackend"]
 
@@ -46,15 +47,14 @@ class LocalBackend:
 
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
-        self._layout: KVLayout | None = None
-        self._peers: dict[str, KVLayout] = {}
+        self._layouts = LayoutBook()
         with _lock:
             self._endpoint = f"local://{os.getpid()}/{next(_counter)}"
             _directory[self._endpoint] = self
 
     @hookimpl
     def register_kv_buffers(self, layout: KVLayout) -> None:
-        self._layout = layout
+        self._layouts.register(layout)
 
     @hookimpl
     def endpoint(self) -> str:
@@ -62,7 +62,7 @@ class LocalBackend:
 
     @hookimpl
     def add_peer(self, session_id: str, layout: KVLayout) -> None:
-        self._peers[session_id] = layout
+        self._layouts.add_peer(session_id, layout)
 
     @hookimpl
     def send_kvcache(
@@ -75,19 +75,8 @@ class LocalBackend:
         dst_layer_ids: Sequence[int] | None = None,
         dst_device_kv_indices: NDArray[np.int32] | None = None,
     ) -> int:
-        if self._layout is None:
-            raise InvalidTransferError("register_kv_buffers() must be called before send_kvcache()")
-        peer_layout = self._peers.get(session_id)
-        if peer_layout is None:
-            raise InvalidTransferError(f"session_id {session_id!r} is unknown: call add_peer(session_id, layout) first")
-        plan = plan_transfer(
-            self._layout,
-            peer_layout,
-            prefill_kv_indices,
-            dst_kv_ptrs,
-            dst_kv_indices,
-            dst_layer_ids,
-            dst_device_kv_indices,
+        plan = self._layouts.plan(
+            session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, dst_layer_ids, dst_device_kv_indices
         )
         peer = _directory.get(session_id)
         if peer is None:
@@ -96,7 +85,7 @@ class LocalBackend:
                 "reaches endpoints of its own process)",
                 peer=session_id,
             )
-        if peer._layout != peer_layout:
+        if peer._layouts.local != self._layouts.peer(session_id):
             raise InvalidTransferError(
                 f"session_id {session_id!r}: the layout given to add_peer differs from the one the peer registered"
             )
@@ -108,5 +97,4 @@ class LocalBackend:
         with _lock:
             if _directory.get(self._endpoint) is self:
                 del _directory[self._endpoint]
-        self._layout = None
-        self._peers.clear()
+        self._layouts.clear()
