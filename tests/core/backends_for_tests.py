@@ -16,7 +16,7 @@ from kvwire import BackendConfig, KVLayout
 class Recorder:
     """Records every hook call with every argument it received."""
 
-    spec_version = "1.2"
+    spec_version = "1.3"
     capabilities = frozenset({"layer_ids", "device_kv_indices", "mha", "mla", "host_memory"})
 
     def __init__(self, config: BackendConfig) -> None:
@@ -45,6 +45,8 @@ class Recorder:
         executor: Optional[Executor],  # noqa: UP045 - the validator must accept Optional[X]
         dst_layer_ids: Sequence[int] | None = None,
         dst_device_kv_indices: NDArray[np.int32] | None = None,
+        dst_kv_item_len: int | None = None,
+        dst_attn_tp_size: int | None = None,
     ) -> int:
         self.calls.append(("send_kvcache", dict(locals())))
         return 4096
@@ -92,5 +94,7 @@ class ReturnsStatus(Recorder):
         executor: Executor | None,
         dst_layer_ids: Sequence[int] | None = None,
         dst_device_kv_indices: NDArray[np.int32] | None = None,
+        dst_kv_item_len: int | None = None,
+        dst_attn_tp_size: int | None = None,
     ) -> int:
         return None  # type: ignore[return-value]

@@ -39,6 +39,8 @@ GOOD_SEND = """\
         executor: Optional[Executor],
         dst_layer_ids: Optional[Sequence[int]] = None,
         dst_device_kv_indices: NDArray[np.int32] | None = None,
+        dst_kv_item_len: int | None = None,
+        dst_attn_tp_size: int | None = None,
     ) -> int:
         return 0
 """
@@ -46,7 +48,7 @@ GOOD_SEND = """\
 
 def backend_source(
     *,
-    spec_version: str | None = '"1.2"',
+    spec_version: str | None = '"1.3"',
     capabilities: str = 'frozenset({"layer_ids", "device_kv_indices", "mha", "mla", "host_memory"})',
     init: str = "    def __init__(self, config: BackendConfig) -> None:\n        self.config = config\n",
     send: str = GOOD_SEND,
@@ -77,6 +79,8 @@ def _send(params: str) -> str:
     return f"    @kvwire.hookimpl\n    def send_kvcache(\n        self,\n{body}\n    ) -> int:\n        return 0\n"
 
 
+_P13 = "\ndst_kv_item_len: int | None = None,\ndst_attn_tp_size: int | None = None,"
+
 _P5 = """\
 session_id: str,
 prefill_kv_indices: NDArray[np.int32],
@@ -99,7 +103,8 @@ VARIANTS: dict[str, tuple[str, str]] = {
     "missing-parameter": (
         "missing_parameter",
         backend_source(
-            send=_send(_P5 + "dst_layer_ids: Optional[Sequence[int]] = None,"), capabilities='frozenset({"layer_ids"})'
+            send=_send(_P5 + "dst_layer_ids: Optional[Sequence[int]] = None," + _P13),
+            capabilities='frozenset({"layer_ids"})',
         ),
     ),
     "unknown-parameter": (
@@ -108,6 +113,7 @@ VARIANTS: dict[str, tuple[str, str]] = {
             send=_send(
                 _P5 + "dst_layer_ids: Optional[Sequence[int]] = None,\n"
                 "dst_device_indices: NDArray[np.int32] | None = None,"
+                "\ndst_kv_item_len: int | None = None,\ndst_attn_tp_size: int | None = None,"
             )
         ),
     ),
@@ -119,6 +125,7 @@ VARIANTS: dict[str, tuple[str, str]] = {
                 "dst_kv_ptrs: Sequence[int],\nexecutor: Optional[Executor],\n"
                 "dst_layer_ids: Optional[Sequence[int]] = None,\n"
                 "dst_device_kv_indices: NDArray[np.int32] | None = None,"
+                "\ndst_kv_item_len: int | None = None,\ndst_attn_tp_size: int | None = None,"
             )
         ),
     ),
@@ -128,6 +135,7 @@ VARIANTS: dict[str, tuple[str, str]] = {
             send=_send(
                 _P5 + "*,\ndst_layer_ids: Optional[Sequence[int]] = None,\n"
                 "dst_device_kv_indices: NDArray[np.int32] | None = None,"
+                "\ndst_kv_item_len: int | None = None,\ndst_attn_tp_size: int | None = None,"
             )
         ),
     ),
@@ -137,6 +145,7 @@ VARIANTS: dict[str, tuple[str, str]] = {
             send=_send(
                 _P5 + "dst_layer_ids: Optional[Sequence[int]] = (),\n"
                 "dst_device_kv_indices: NDArray[np.int32] | None = None,"
+                "\ndst_kv_item_len: int | None = None,\ndst_attn_tp_size: int | None = None,"
             )
         ),
     ),
@@ -146,6 +155,7 @@ VARIANTS: dict[str, tuple[str, str]] = {
             send=_send(
                 _P5.replace("session_id: str", "session_id: bytes") + "dst_layer_ids: Optional[Sequence[int]] = None,\n"
                 "dst_device_kv_indices: NDArray[np.int64] | None = None,"
+                "\ndst_kv_item_len: int | None = None,\ndst_attn_tp_size: int | None = None,"
             )
         ),
     ),

@@ -31,6 +31,8 @@ def test_every_argument_reaches_the_backend(registry: kvwire.Registry) -> None:
         "executor": None,
         "dst_layer_ids": [7],
         "dst_device_kv_indices": np.array([5, 6], np.int32),
+        "dst_kv_item_len": 64,
+        "dst_attn_tp_size": 2,
     }
     assert conn.send_kvcache(**args) == 4096
     name, received = conn.backend.calls[-1]
@@ -104,7 +106,7 @@ def test_runtime_registration_validates(registry: kvwire.Registry) -> None:
     quarantine = kvwire.Registry(allow=["local"], policy="quarantine")
     info = quarantine.register("drifted", Drifted)
     assert info.status == "drift"
-    with pytest.raises(kvwire.BackendNotAvailableError, match=r"backend 'drifted' is not available \(drift: 1"):
+    with pytest.raises(kvwire.BackendLoadError, match=r"backend 'drifted' is not available \(drift: 1"):
         quarantine.connect("drifted")
 
 
@@ -128,8 +130,12 @@ def test_bad_arguments_are_typed_errors() -> None:
         kvwire.Registry(allow="local")
     with pytest.raises(kvwire.ConfigError, match=r"BackendConfig\.timeout_s must be finite and > 0, got 0"):
         kvwire.BackendConfig(timeout_s=0)
-    with pytest.raises(kvwire.ConfigError, match=r"max_descriptors_per_call must be in \[1, 2048\], got 4096"):
-        kvwire.BackendConfig(max_descriptors_per_call=4096)
+    with pytest.raises(kvwire.ConfigError, match=r"^BackendConfig\.process_settings must be a bool, got 'yes'$"):
+        kvwire.BackendConfig(process_settings="yes")  # type: ignore[arg-type]
+    with pytest.raises(kvwire.ConfigError, match=r"^BackendConfig\.options keys must be non-empty str, got 3$"):
+        kvwire.BackendConfig(options={3: "x"})
+    with pytest.raises(kvwire.ConfigError, match=r"^BackendConfig\.options cannot be sent to another process: "):
+        kvwire.BackendConfig(options={"engine": object()}).to_dict()
 
 
 def test_closed_connection_refuses_calls(registry: kvwire.Registry) -> None:
@@ -157,3 +163,55 @@ def test_dropped_connection_closes_its_backend(registry: kvwire.Registry) -> Non
     del conn
     gc.collect()
     assert [c[0] for c in backend.calls] == ["close"]
+
+
+def test_feature_not_declared_is_refused_before_the_call(registry: kvwire.Registry) -> None:
+    """A current-spec backend that does not declare layer_ids never sees a dst_layer_ids value."""
+
+    class NoLayerIds(Recorder):
+        capabilities = frozenset({"mha", "mla", "host_memory"})
+
+    registry.register("nolayers", NoLayerIds)
+    conn = registry.connect("nolayers")
+    idx = np.array([1], np.int32)
+    with pytest.raises(kvwire.UnsupportedFeatureError) as exc:
+        conn.send_kvcache("p", idx, [1], idx, None, [0])
+    assert str(exc.value) == (
+        "backend 'nolayers' (spec 1.3) does not support 'layer_ids', needed for dst_layer_ids; nothing was sent"
+    )
+    assert conn.backend.calls == []
+
+
+def test_endpoint_must_be_a_str(registry: kvwire.Registry) -> None:
+    class NumericEndpoint(Recorder):
+        @kvwire.hookimpl
+        def endpoint(self) -> str:
+            return 7  # type: ignore[return-value]
+
+    registry.register("numeric", NumericEndpoint)
+    with pytest.raises(kvwire.BackendError, match=r"^backend 'numeric': endpoint\(\) returned 7, expected a str$"):
+        registry.connect("numeric").endpoint()
+
+
+def test_connection_arguments_are_checked(registry: kvwire.Registry) -> None:
+    registry.register("recorder", Recorder)
+    with pytest.raises(kvwire.ConfigError, match=r"^config must be a kvwire.BackendConfig, got dict$"):
+        registry.connect("recorder", {"host": "x"})  # type: ignore[arg-type]
+    conn = registry.connect("recorder")
+    with pytest.raises(kvwire.ConfigError, match=r"^session_id must be a non-empty str, got ''$"):
+        conn.add_peer("", _layout())
+    with pytest.raises(kvwire.ConfigError, match=r"^layout must be a kvwire.KVLayout, got str$"):
+        conn.add_peer("p", "layout")  # type: ignore[arg-type]
+    with pytest.raises(kvwire.ConfigError, match=r"^layout must be a kvwire.KVLayout, got NoneType$"):
+        conn.register_kv_buffers(None)  # type: ignore[arg-type]
+    assert conn.backend.calls == []
+
+
+def test_raw_write_needs_the_capability(registry: kvwire.Registry) -> None:
+    registry.register("recorder", Recorder)
+    conn = registry.connect("recorder")
+    with pytest.raises(kvwire.UnsupportedFeatureError) as exc:
+        conn.raw_write("p", kvwire.TransferPlan.empty())
+    assert str(exc.value) == (
+        "backend 'recorder' (spec 1.3) does not support 'raw_write', needed for raw_write; nothing was sent"
+    )

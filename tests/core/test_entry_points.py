@@ -35,7 +35,7 @@ def test_each_rule_is_reported_by_check(run_with_plugins: RunPy) -> None:
         for finding in entry["findings"]:
             assert set(finding) >= {"hook", "rule", "message"}
     assert entries["ok"]["status"] == "ok"
-    assert entries["ok"]["spec_version"] == "1.2"
+    assert entries["ok"]["spec_version"] == "1.3"
     assert entries["adapted"]["status"] == "adapted"
     assert entries["adapted"]["spec_version"] == "1.1"
     assert entries["adapted"]["capabilities"] == ["layer_ids", "mha"]
@@ -82,7 +82,7 @@ def test_ascend_case_message_names_everything(run_with_plugins: RunPy) -> None:
             "`send_kv_cache` is marked @kvwire.hookimpl but the spec has no such hook; did you mean `send_kvcache`?",
         ),
         ("missing_hook", "required hook `close` is not implemented"),
-        ("spec_version", "spec_version 2.0 is of major version 2; this kvwire implements 1.2"),
+        ("spec_version", "spec_version 2.0 is of major version 2; this kvwire implements 1.3"),
         ("constructor", "the constructor must take exactly one parameter, `config: kvwire.BackendConfig`"),
     ],
 )
@@ -140,7 +140,7 @@ POLICY_SCRIPT = textwrap.dedent(
     print("LOADED", sorted(i.name for i in infos if i.usable))
     try:
         reg.connect("missing_parameter")
-    except kvwire.BackendNotAvailableError as exc:
+    except kvwire.BackendLoadError as exc:
         print("REFUSED", exc)
     conn = reg.connect("ok")
     print("ENDPOINT", conn.endpoint())
@@ -176,7 +176,7 @@ def test_quarantine_policy_keeps_the_rest_usable(run_with_plugins: RunPy) -> Non
 
 def test_connect_to_missing_backend_lists_available(run_with_plugins: RunPy) -> None:
     script = (
-        "import kvwire\ntry:\n    kvwire.connect('nope')\nexcept kvwire.BackendNotAvailableError as e:\n    print(e)\n"
+        "import kvwire\ntry:\n    kvwire.connect('nope')\nexcept kvwire.BackendLoadError as e:\n    print(e)\n"
     )
     proc = run_with_plugins("-c", script, env={"KVWIRE_BACKENDS": "ok,local,nope"})
     assert proc.stdout.startswith(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Sequence
+from concurrent.futures import Executor
 
 import numpy as np
 import pytest
@@ -92,9 +93,9 @@ def test_unmarked_hook_and_non_class() -> None:
 @pytest.mark.parametrize(
     ("declared", "message"),
     [
-        ("1.7", "spec_version 1.7 is newer than this kvwire's spec 1.2"),
+        ("1.7", "spec_version 1.7 is newer than this kvwire's spec 1.3"),
         ("one", "spec version must look like '1.2', got 'one'"),
-        ("0.9", "spec_version 0.9 is of major version 0; this kvwire implements 1.2"),
+        ("0.9", "spec_version 0.9 is of major version 0; this kvwire implements 1.3"),
     ],
 )
 def test_spec_version_rule(declared: str, message: str) -> None:
@@ -110,15 +111,46 @@ def test_finding_render_names_everything() -> None:
     (finding,) = kvwire.validate_backend(Drifted, ORIGIN).findings
     text = finding.render()
     assert text.splitlines()[0] == (
-        "[missing-parameter] backend 't' (kvtest 1.0, entry point mod:Cls), hook send_kvcache: "
+        "[missing-parameter] backend 't' (kvtest 1.0, entry point mod:Cls), hook send_kvcache "
+        "(inherited from backends_for_tests:Recorder11): "
         "parameter `dst_device_kv_indices` added in spec 1.2 is missing (the caller's value would be dropped)"
     )
     assert text.splitlines()[1].startswith("    spec: send_kvcache(session_id: str, ")
     assert text.splitlines()[2].startswith("    impl: send_kvcache(session_id: str, ")
     assert text.splitlines()[3] == (
         "    fix:  add `dst_device_kv_indices: NDArray[np.int32] | None = None` after `dst_layer_ids`, "
-        "or declare spec_version = '1.1' to load adapted with that feature off"
+        "or declare spec_version = '1.1' and drop 'device_kv_indices' from capabilities to load adapted with "
+        "that feature off"
     )
+    assert finding.defined_in == "backends_for_tests:Recorder11"
+
+
+def test_an_override_that_drops_a_parameter_is_one_finding_of_this_class() -> None:
+    """sglang #33523: the subclass overrides send_kvcache without the new parameter; the rest is inherited."""
+
+    class Override(Recorder):
+        @kvwire.hookimpl
+        def send_kvcache(
+            self,
+            session_id: str,
+            prefill_kv_indices: NDArray[np.int32],
+            dst_kv_ptrs: Sequence[int],
+            dst_kv_indices: NDArray[np.int32],
+            executor: Executor | None,
+            dst_layer_ids: Sequence[int] | None = None,
+            dst_kv_item_len: int | None = None,
+            dst_attn_tp_size: int | None = None,
+        ) -> int:
+            return 0
+
+    (finding,) = kvwire.validate_backend(Override, ORIGIN).findings
+    assert (finding.rule, finding.hook, finding.defined_in, finding.where) == (
+        "missing-parameter",
+        "send_kvcache",
+        None,
+        "this class",
+    )
+    assert "hook send_kvcache: parameter `dst_device_kv_indices`" in finding.render()
 
 
 def test_array_default_is_a_finding_not_a_crash() -> None:
@@ -143,3 +175,12 @@ def test_capability_findings_show_both_sides() -> None:
     (finding,) = kvwire.validate_backend(Claims, ORIGIN).findings
     assert finding.spec_signature == "spec 1.1: send_kvcache parameters honour ['layer_ids']"
     assert finding.impl_signature == "capabilities = {device_kv_indices, layer_ids}"
+
+
+def test_raw_write_capability_needs_the_method() -> None:
+    cls = type("Raw", (Recorder,), {"capabilities": frozenset({"mha", "raw_write"})})
+    (finding,) = kvwire.validate_backend(cls, ORIGIN).findings
+    assert (finding.rule, finding.message) == (
+        "capabilities",
+        "declares 'raw_write' but has no `raw_write(session_id, plan)` method",
+    )

@@ -1,18 +1,21 @@
 """kvwire: move KV-cache pages between prefill and decode through validated, pluggable backends.
 
-Backend authors implement :class:`BackendSpec`'s hooks as methods marked
-``@kvwire.hookimpl`` on a class taking one :class:`BackendConfig`, and register
-it under the entry-point group ``kvwire.backends``. Users call
-:func:`connect`. Every backend is validated against the spec when it loads.
+Backend authors subclass :class:`TransportBackend` and supply a
+:class:`Transport` (the short path), or implement :class:`BackendSpec`'s hooks
+as methods marked ``@kvwire.hookimpl`` on a class taking one
+:class:`BackendConfig` (the long one), and register it under the entry-point
+group ``kvwire.backends``. Users call :func:`connect`. Every backend is
+validated against the spec when it loads.
 """
 
+from kvwire.base import RawWriter, Transport, TransportBackend
 from kvwire.capabilities import FEATURES
 from kvwire.config import BackendConfig
 from kvwire.connection import Connection
 from kvwire.errors import (
     BackendDriftError,
     BackendError,
-    BackendNotAvailableError,
+    BackendLoadError,
     BackendUnavailableError,
     ConfigError,
     DuplicateBackendError,
@@ -26,7 +29,9 @@ from kvwire.errors import (
 from kvwire.findings import Finding
 from kvwire.layout import KVBuffer, KVLayout, LayoutError
 from kvwire.markers import ENTRY_POINT_GROUP, hookimpl, hookspec
-from kvwire.planning import TransferPlan, plan_transfer
+from kvwire.peer import PeerDescription
+from kvwire.planning import TransferPlan, TransferRequest, plan_transfer
+from kvwire.regions import RegionSet
 from kvwire.registry import BackendInfo, Registry, connect, default_registry, register_backend
 from kvwire.spec import SPEC_HISTORY, SPEC_VERSION, BackendSpec, SpecVersion
 from kvwire.validator import ValidationResult, validate_backend
@@ -42,7 +47,7 @@ __all__ = [
     "BackendDriftError",
     "BackendError",
     "BackendInfo",
-    "BackendNotAvailableError",
+    "BackendLoadError",
     "BackendSpec",
     "BackendUnavailableError",
     "ConfigError",
@@ -54,12 +59,18 @@ __all__ = [
     "KVLayout",
     "KvwireError",
     "LayoutError",
+    "PeerDescription",
     "PeerUnreachableError",
+    "RawWriter",
+    "RegionSet",
     "Registry",
     "SpecVersion",
     "TransferError",
     "TransferPlan",
+    "TransferRequest",
     "TransferTimeoutError",
+    "Transport",
+    "TransportBackend",
     "UnsupportedFeatureError",
     "ValidationResult",
     "__version__",

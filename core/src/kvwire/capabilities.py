@@ -10,24 +10,36 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-__all__ = ["FEATURES", "FEATURE_DISTRIBUTIONS", "PARAMETER_FEATURES"]
+from kvwire.layout import MemoryKind
+from kvwire.spec import PARAMETER_FEATURES, SPEC_HISTORY
 
-#: Every known feature name, with what it promises.
+__all__ = ["FEATURES", "FEATURE_DISTRIBUTIONS", "MEMORY_FEATURES", "PARAMETER_FEATURES"]
+
+#: Features of the layout (attention kind, memory kind) and of the transport itself.
+_OTHER_FEATURES: Mapping[str, str] = {
+    "mha": "moves MHA layouts (K and V buffer per layer)",
+    "mla": "moves MLA layouts (one latent-KV buffer per layer)",
+    "host_memory": "sends from / receives into host DRAM buffers",
+    "device_memory": "sends from / receives into accelerator memory buffers",
+    "interprocess": "reaches peers in other processes and on other hosts",
+    "raw_write": "offers Connection.raw_write: the bare engine call on a plan (benchmarks compare against it)",
+}
+
+#: Every known feature name, with what it promises (parameter features come from the spec history).
 FEATURES: Mapping[str, str] = MappingProxyType(
     {
-        "layer_ids": "honours dst_layer_ids (pipeline-parallel layer mapping)",
-        "device_kv_indices": "honours dst_device_kv_indices (HiSparse split host/device destinations)",
-        "mha": "moves MHA layouts (K and V buffer per layer)",
-        "mla": "moves MLA layouts (one latent-KV buffer per layer)",
-        "host_memory": "sends from / receives into host DRAM buffers",
-        "device_memory": "sends from / receives into accelerator memory buffers",
+        **{
+            p.feature: f"honours {p.name} ({p.purpose})"
+            for release in SPEC_HISTORY
+            for p in release.added
+            if p.feature is not None
+        },
+        **_OTHER_FEATURES,
     }
 )
 
-#: send_kvcache parameter -> the feature that makes a non-None value meaningful.
-PARAMETER_FEATURES: Mapping[str, str] = MappingProxyType(
-    {"dst_layer_ids": "layer_ids", "dst_device_kv_indices": "device_kv_indices"}
-)
+#: The feature a backend needs to register or address buffers of each memory kind.
+MEMORY_FEATURES: Mapping[MemoryKind, str] = MappingProxyType({"host": "host_memory", "device": "device_memory"})
 
 #: Features whose reference implementation ships as its own distribution (named in errors).
 FEATURE_DISTRIBUTIONS: Mapping[str, str] = MappingProxyType({"device_kv_indices": "kvwire-hisparse"})

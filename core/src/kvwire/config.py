@@ -2,11 +2,12 @@
 
 A single config type for all backends means a backend constructor cannot
 drift: new options become fields with defaults, and backend-specific settings
-go in ``options``.
+go in ``options`` (each backend documents and type-checks its own keys).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -16,10 +17,6 @@ from typing import Any
 from kvwire.errors import ConfigError
 
 __all__ = ["BackendConfig"]
-
-#: Mooncake's TCP transport poisons a peer beyond ~2060 queued descriptors.
-_MAX_DESCRIPTORS_LIMIT = 2048
-
 
 @dataclass(frozen=True)
 class BackendConfig:
@@ -32,10 +29,15 @@ class BackendConfig:
         device: device names for RDMA NICs or accelerators (``"mlx5_0"``, ``"npu:0"``).
         timeout_s: a transfer that has not completed after this long fails with
             :class:`~kvwire.TransferTimeoutError` (never a hang).
-        max_descriptors_per_call: descriptors per engine call; larger plans are chunked.
-        max_inflight_per_peer: descriptors outstanding to one peer across threads.
         verbose: let the engine's own logging through (quiet by default).
-        options: backend-specific settings, strings only (documented per backend).
+        process_settings: allow the backend to change process-wide state it
+            would otherwise leave alone (environment variables its engine reads,
+            capturing file descriptor 2 around engine creation). Off by default,
+            so a host embedding kvwire finds its process as it left it; the
+            ``kvwire`` CLI turns it on.
+        options: backend-specific settings, keyed by name (each backend
+            documents its keys and checks their types when it is created; an
+            object such as a host's own engine instance may be passed here).
     """
 
     host: str = "127.0.0.1"
@@ -43,10 +45,9 @@ class BackendConfig:
     metadata_server: str = "P2PHANDSHAKE"
     device: str = ""
     timeout_s: float = 10.0
-    max_descriptors_per_call: int = 1024
-    max_inflight_per_peer: int = 1024
     verbose: bool = False
-    options: Mapping[str, str] = field(default_factory=dict)
+    process_settings: bool = False
+    options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("host", "protocol", "metadata_server", "device"):
@@ -61,29 +62,28 @@ class BackendConfig:
             raise ConfigError(f"BackendConfig.timeout_s must be a number of seconds, got {self.timeout_s!r}")
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise ConfigError(f"BackendConfig.timeout_s must be finite and > 0, got {self.timeout_s!r}")
-        for name in ("max_descriptors_per_call", "max_inflight_per_peer"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"BackendConfig.{name} must be an int, got {value!r}")
-            if not 1 <= value <= _MAX_DESCRIPTORS_LIMIT:
-                raise ConfigError(f"BackendConfig.{name} must be in [1, {_MAX_DESCRIPTORS_LIMIT}], got {value}")
-        if self.max_inflight_per_peer < self.max_descriptors_per_call:
-            raise ConfigError(
-                "BackendConfig.max_inflight_per_peer must be >= max_descriptors_per_call, got "
-                f"{self.max_inflight_per_peer} < {self.max_descriptors_per_call}"
-            )
-        if not isinstance(self.verbose, bool):
-            raise ConfigError(f"BackendConfig.verbose must be a bool, got {self.verbose!r}")
+        for name in ("verbose", "process_settings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"BackendConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.options, Mapping):
             raise ConfigError(f"BackendConfig.options must be a mapping, got {type(self.options).__name__}")
-        for key, value in self.options.items():
-            if not isinstance(key, str) or not isinstance(value, str):
-                raise ConfigError(f"BackendConfig.options must map str to str, got {key!r}: {value!r}")
+        for key in self.options:
+            if not isinstance(key, str) or not key:
+                raise ConfigError(f"BackendConfig.options keys must be non-empty str, got {key!r}")
         object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable fields (for handing the same settings to a child process)."""
-        return {f.name: dict(self.options) if f.name == "options" else getattr(self, f.name) for f in fields(self)}
+        """JSON-serialisable fields (for handing the same settings to a child process).
+
+        Raises ConfigError when an option is not JSON data (an engine object, say):
+        such a config can only be used in this process.
+        """
+        options = dict(self.options)
+        try:
+            json.dumps(options)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"BackendConfig.options cannot be sent to another process: {exc}") from None
+        return {f.name: options if f.name == "options" else getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> BackendConfig:
@@ -94,6 +94,6 @@ class BackendConfig:
             raise ConfigError(f"BackendConfig: unknown field(s) {unknown}; known: {sorted(known)}")
         return cls(**dict(data))
 
-    def option(self, key: str, default: str) -> str:
+    def option(self, key: str, default: object = None) -> object:
         """A backend-specific option, or ``default``."""
         return self.options.get(key, default)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import difflib
 import inspect
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
+from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
@@ -20,15 +21,15 @@ import numpy as np
 import pluggy
 from numpy.typing import NDArray
 
+from kvwire.capabilities import MEMORY_FEATURES
 from kvwire.config import BackendConfig
-from kvwire.errors import BackendError, ConfigError, UnsupportedFeatureError
+from kvwire.errors import BackendError, ConfigError, InvalidTransferError, KvwireError, UnsupportedFeatureError
 from kvwire.layout import KVLayout
 from kvwire.markers import IMPL_ATTR, PROJECT_NAME
+from kvwire.planning import TransferPlan, TransferRequest, check_peer_shape
 from kvwire.spec import CURRENT, BackendSpec, spec_hooks
 
 __all__ = ["Connection"]
-
-_MEMORY_FEATURES = {"host": "host_memory", "device": "device_memory"}
 
 
 def _check_middleware(obj: object, what: str) -> None:
@@ -59,6 +60,20 @@ def _check_middleware(obj: object, what: str) -> None:
             )
 
 
+@contextmanager
+def _backend_errors(name: str, where: str) -> Iterator[None]:
+    """Let kvwire errors through; wrap anything else a backend raises (SystemExit included) in BackendError."""
+    try:
+        yield
+    except KvwireError:
+        raise
+    except (Exception, SystemExit) as exc:
+        raise BackendError(
+            f"backend {name!r} raised {type(exc).__name__} in {where}: {exc} (backends must raise kvwire errors; "
+            "the original is chained)"
+        ) from exc
+
+
 class Connection:
     """A live backend. Create it with :func:`kvwire.connect`; close it (or use ``with``)."""
 
@@ -84,7 +99,10 @@ class Connection:
             _check_middleware(extra, f"middleware[{i}]")
         self._pm = pluggy.PluginManager(PROJECT_NAME)
         self._pm.add_hookspecs(BackendSpec)
-        self.backend: Any = cls(config)
+        with _backend_errors(name, "its constructor"):
+            self.backend: Any = cls(config)
+        self._local: KVLayout | None = None
+        self._peers: dict[str, KVLayout] = {}
         self._pm.register(self.backend, name=name)
         for i, extra in enumerate(middleware):
             self._pm.register(extra, name=f"{name}.middleware[{i}]")
@@ -96,10 +114,11 @@ class Connection:
         if not self._finalizer.alive:
             raise BackendError(f"connection to backend {self.name!r} is closed")
 
-    def _require(self, feature: str, why: str) -> None:
-        if feature not in self.capabilities:
+    def _require(self, features: frozenset[str], why: str) -> None:
+        lacking = sorted(features - self.capabilities)
+        if lacking:
             raise UnsupportedFeatureError(
-                f"backend {self.name!r} (spec {self.spec_version}) does not support {feature!r}, "
+                f"backend {self.name!r} (spec {self.spec_version}) does not support {', '.join(map(repr, lacking))}, "
                 f"needed for {why}; nothing was sent"
             )
 
@@ -109,19 +128,20 @@ class Connection:
         if not isinstance(layout, KVLayout):
             raise ConfigError(f"layout must be a kvwire.KVLayout, got {type(layout).__name__}")
         self._check_layout(layout, "the local layout")
-        self._hook.register_kv_buffers(layout=layout)
+        self._local = None
+        self._call("register_kv_buffers", layout=layout)
+        self._local = layout
 
     def _check_layout(self, layout: KVLayout, what: str) -> None:
-        self._require(layout.attention, f"{what} ({layout.attention.upper()} buffers)")
-        for kind, feature in _MEMORY_FEATURES.items():
-            if layout.has_memory(kind):  # type: ignore[arg-type]
-                self._require(feature, f"{what} ({kind} buffers)")
+        self._require(frozenset({layout.attention}), f"{what} ({layout.attention.upper()} buffers)")
+        for kind in sorted({b.memory for b in layout.buffers}):
+            self._require(frozenset({MEMORY_FEATURES[kind]}), f"{what} ({kind} buffers)")
 
     def endpoint(self) -> str:
         """The id a peer passes as ``session_id`` to reach this endpoint."""
         self._check_open()
-        result = self._hook.endpoint()
-        if not isinstance(result, str):
+        result = self._call("endpoint")
+        if not isinstance(result, str) or not result:
             raise BackendError(f"backend {self.name!r}: endpoint() returned {result!r}, expected a str")
         return result
 
@@ -133,7 +153,8 @@ class Connection:
         if not isinstance(layout, KVLayout):
             raise ConfigError(f"layout must be a kvwire.KVLayout, got {type(layout).__name__}")
         self._check_layout(layout, f"peer {session_id!r}")
-        self._hook.add_peer(session_id=session_id, layout=layout)
+        self._call("add_peer", session_id=session_id, layout=layout)
+        self._peers[session_id] = layout
 
     def send_kvcache(
         self,
@@ -144,14 +165,35 @@ class Connection:
         executor: Executor | None = None,
         dst_layer_ids: Sequence[int] | None = None,
         dst_device_kv_indices: NDArray[np.int32] | None = None,
+        dst_kv_item_len: int | None = None,
+        dst_attn_tp_size: int | None = None,
     ) -> int:
-        """Send pages to a peer; returns the bytes moved (see :class:`kvwire.BackendSpec`)."""
+        """Send pages to a peer; returns the bytes moved (see :class:`kvwire.BackendSpec`).
+
+        Arguments for features the backend lacks are refused, and the caller's
+        ``dst_kv_item_len`` / ``dst_attn_tp_size`` are checked against the peer's
+        layout here, for every backend (an adapted one never receives them).
+        """
         self._check_open()
-        if dst_layer_ids is not None:
-            self._require("layer_ids", "dst_layer_ids")
-        if dst_device_kv_indices is not None:
-            self._require("device_kv_indices", "dst_device_kv_indices")
-        moved = self._hook.send_kvcache(
+        if not isinstance(session_id, str) or not session_id:
+            raise InvalidTransferError(f"session_id must be a non-empty str, got {type(session_id).__name__}")
+        request = TransferRequest(
+            prefill_kv_indices,
+            dst_kv_ptrs,
+            dst_kv_indices,
+            dst_layer_ids,
+            dst_device_kv_indices,
+            dst_kv_item_len,
+            dst_attn_tp_size,
+        )
+        used = request.features()
+        if used:
+            self._require(used, ", ".join(TransferRequest.parameters_for(used)))
+        peer = self._peers.get(session_id)
+        if (dst_kv_item_len is not None or dst_attn_tp_size is not None) and self._local and peer:
+            check_peer_shape(self._local, peer, dst_layer_ids, dst_kv_item_len, dst_attn_tp_size)
+        moved = self._call(
+            "send_kvcache",
             session_id=session_id,
             prefill_kv_indices=prefill_kv_indices,
             dst_kv_ptrs=dst_kv_ptrs,
@@ -159,13 +201,33 @@ class Connection:
             executor=executor,
             dst_layer_ids=dst_layer_ids,
             dst_device_kv_indices=dst_device_kv_indices,
+            dst_kv_item_len=dst_kv_item_len,
+            dst_attn_tp_size=dst_attn_tp_size,
         )
-        if isinstance(moved, bool) or not isinstance(moved, (int, np.integer)):
+        if isinstance(moved, bool) or not isinstance(moved, (int, np.integer)) or moved < 0:
             raise BackendError(
                 f"backend {self.name!r}: send_kvcache returned {moved!r}; the spec requires the bytes moved "
-                "(an int) and failures raised as kvwire.TransferError"
+                "(an int >= 0) and failures raised as kvwire.TransferError"
             )
         return int(moved)
+
+    def _call(self, hook: str, **kwargs: Any) -> Any:
+        """``pm.hook.<hook>(**kwargs)``; a non-kvwire exception becomes BackendError naming the backend."""
+        with _backend_errors(self.name, hook):
+            return getattr(self._hook, hook)(**kwargs)
+
+    def raw_write(self, session_id: str, plan: TransferPlan) -> None:
+        """The backend's bare engine call on ``plan`` (capability ``raw_write``), for benchmarks.
+
+        No checks beyond the engine's own: ``plan`` must come from
+        :func:`kvwire.plan_transfer` between the registered layout and this peer's.
+        """
+        self._check_open()
+        self._require(frozenset({"raw_write"}), "raw_write")
+        if not isinstance(plan, TransferPlan):
+            raise ConfigError(f"plan must be a kvwire.TransferPlan, got {type(plan).__name__}")
+        with _backend_errors(self.name, "raw_write"):
+            self.backend.raw_write(session_id, plan)
 
     def close(self) -> None:
         """Close the backend (idempotent)."""

@@ -13,12 +13,15 @@ import queue
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 from kvwire.errors import KvwireError
 
-__all__ = ["ChildProcess", "ControlError", "reply", "read_command"]
+__all__ = ["ChildProcess", "ControlError", "Handler", "read_command", "reply", "serve"]
+
+#: A child's handler of one command: the message in, the reply out.
+Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 class ControlError(KvwireError, RuntimeError):
@@ -41,6 +44,17 @@ def read_command(stream: IO[str] | None = None) -> dict[str, Any] | None:
     if not isinstance(message, dict):
         raise ControlError(f"control message must be a JSON object, got {line[:200]!r}")
     return message
+
+
+def serve(handlers: Mapping[str, Handler]) -> None:
+    """Child side: answer commands by name until the parent sends ``quit`` (answered) or closes the channel."""
+    while (message := read_command()) is not None:
+        command = message.get("cmd")
+        if command == "quit":
+            reply({"ok": True})
+            return
+        handler = handlers.get(command) if isinstance(command, str) else None
+        reply(handler(message) if handler is not None else {"error": f"unknown command {command!r}"})
 
 
 class ChildProcess:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BackendDriftError",
     "BackendError",
-    "BackendNotAvailableError",
+    "BackendLoadError",
     "BackendUnavailableError",
     "ConfigError",
     "DuplicateBackendError",
@@ -56,12 +56,12 @@ class BackendError(KvwireError):
     """A backend cannot be loaded or used."""
 
 
-class BackendNotAvailableError(BackendError, LookupError):
-    """The requested backend is missing, blocked, broken or quarantined."""
+class BackendLoadError(BackendError, LookupError):
+    """The requested backend cannot be loaded: not installed, not allowed, failed to import, or drifted."""
 
 
 class BackendUnavailableError(BackendError):
-    """The backend validated, but its runtime (hardware, engine) is missing here."""
+    """The backend loaded and validated, but its runtime (hardware, engine) is missing on this machine."""
 
 
 class DuplicateBackendError(BackendError):

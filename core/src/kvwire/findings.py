@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["RULES", "Finding", "PluginOrigin", "Rule"]
+__all__ = ["Finding", "PluginOrigin", "Rule"]
 
 Rule = Literal[
     "missing-parameter",
@@ -21,23 +21,6 @@ Rule = Literal[
     "constructor",
     "capabilities",
 ]
-
-#: Every rule id, in the order checks run.
-RULES: tuple[Rule, ...] = (
-    "spec-version",
-    "constructor",
-    "capabilities",
-    "missing-hook",
-    "unknown-hook",
-    "var-args",
-    "missing-parameter",
-    "unknown-parameter",
-    "parameter-order",
-    "parameter-kind",
-    "default-mismatch",
-    "annotation-mismatch",
-)
-
 
 @dataclass(frozen=True)
 class PluginOrigin:
@@ -68,19 +51,23 @@ class Finding:
     spec_signature: str
     impl_signature: str
     fix: str
+    defined_in: str | None = None
+
+    @property
+    def where(self) -> str:
+        """Whether the hook is new in the backend class or inherited, and from which parent."""
+        return "this class" if self.defined_in is None else f"inherited from {self.defined_in}"
 
     def render(self) -> str:
         """Multi-line text for logs and the CLI."""
         origin = PluginOrigin(self.plugin, self.distribution, self.version, self.entry_point)
+        inherited = "" if self.defined_in is None else f" ({self.where})"
         return (
-            f"[{self.rule}] {origin.describe()}, hook {self.hook}: {self.message}\n"
+            f"[{self.rule}] {origin.describe()}, hook {self.hook}{inherited}: {self.message}\n"
             f"    spec: {self.spec_signature}\n"
             f"    impl: {self.impl_signature}\n"
             f"    fix:  {self.fix}"
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     def __str__(self) -> str:
         return self.render()

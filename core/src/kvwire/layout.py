@@ -38,6 +38,8 @@ LAYOUT_FORMAT_VERSION = 1
 _ROLES: tuple[str, ...] = ("k", "v", "kv")
 _MEMORY_KINDS: tuple[str, ...] = ("host", "device")
 _BUFFER_FIELDS = ("base", "page_bytes", "num_pages", "layer", "role", "memory")
+#: Planning computes addresses in int64: every byte of a buffer must lie below this.
+ADDRESS_LIMIT = 2**63 - 1
 
 
 class LayoutError(KvwireError, ValueError):
@@ -68,6 +70,18 @@ class KVBuffer:
         object.__setattr__(self, "page_bytes", _check_int(self.page_bytes, "KVBuffer.page_bytes", 1))
         object.__setattr__(self, "num_pages", _check_int(self.num_pages, "KVBuffer.num_pages", 0))
         object.__setattr__(self, "layer", _check_int(self.layer, "KVBuffer.layer", 0))
+        if self.base > ADDRESS_LIMIT or self.page_bytes > ADDRESS_LIMIT or self.num_pages > ADDRESS_LIMIT:
+            raise LayoutError(
+                f"KVBuffer.base = {self.base:#x}, page_bytes = {self.page_bytes} and num_pages = "
+                f"{self.num_pages} must each be below 2**63 (the address space planning computes in)"
+            )
+        if self.page_bytes * self.num_pages > ADDRESS_LIMIT - self.base:
+            raise LayoutError(
+                f"KVBuffer.base + page_bytes * num_pages = {self.base:#x} + {self.page_bytes} * {self.num_pages} "
+                "ends past 2**63 - 1: not an address range of this platform"
+            )
+        if self.layer > ADDRESS_LIMIT:
+            raise LayoutError(f"KVBuffer.layer = {self.layer} must be below 2**63")
         if self.role not in _ROLES:
             raise LayoutError(f"KVBuffer.role must be one of {_ROLES}, got {self.role!r}")
         if self.memory not in _MEMORY_KINDS:
@@ -115,15 +129,29 @@ def _describe_array(obj: Any, what: str) -> tuple[int, int, int, MemoryKind]:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """An ordered set of KV buffers (see the module docstring)."""
+    """An ordered set of KV buffers (see the module docstring).
+
+    ``attn_tp_size`` is the attention tensor-parallel size of the process that
+    holds the layout, when it says (None: not recorded); ``send_kvcache``'s
+    ``dst_attn_tp_size`` is checked against a peer's.
+    """
 
     buffers: tuple[KVBuffer, ...]
+    attn_tp_size: int | None = None
 
     def __post_init__(self) -> None:
+        raw: object = self.buffers
+        if isinstance(raw, (str, bytes)) or not hasattr(raw, "__iter__"):
+            raise LayoutError(f"KVLayout.buffers must be a sequence of KVBuffer, got {type(raw).__name__}")
         buffers = tuple(self.buffers)
         object.__setattr__(self, "buffers", buffers)
         if not buffers:
             raise LayoutError("KVLayout.buffers must not be empty")
+        if self.attn_tp_size is not None:
+            tp = _check_int(self.attn_tp_size, "KVLayout.attn_tp_size", 1)
+            if tp > 1 << 20:
+                raise LayoutError(f"KVLayout.attn_tp_size must be <= {1 << 20}, got {tp}")
+            object.__setattr__(self, "attn_tp_size", tp)
         for i, buf in enumerate(buffers):
             if not isinstance(buf, KVBuffer):
                 raise LayoutError(f"KVLayout.buffers[{i}] must be a KVBuffer, got {type(buf).__name__}")
@@ -231,14 +259,27 @@ class KVLayout:
     def has_memory(self, kind: MemoryKind) -> bool:
         return any(b.memory == kind for b in self.buffers)
 
+    @cached_property
+    def is_split(self) -> bool:
+        """A split destination (HiSparse): host and device buffers, two independent page-id spaces.
+
+        Host buffers are addressed by ``dst_kv_indices``, device buffers by
+        ``dst_device_kv_indices``. It is the layout's property, never inferred
+        from a request: see :func:`kvwire.plan_transfer`.
+        """
+        return self.has_memory("host") and self.has_memory("device")
+
     # -- wire format ---------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "format": LAYOUT_FORMAT,
             "version": LAYOUT_FORMAT_VERSION,
             "buffers": [{f: getattr(b, f) for f in _BUFFER_FIELDS} for b in self.buffers],
         }
+        if self.attn_tp_size is not None:
+            data["attn_tp_size"] = self.attn_tp_size
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))
@@ -251,7 +292,7 @@ class KVLayout:
         if data.get("format") != LAYOUT_FORMAT:
             raise LayoutError(f"layout description: 'format' must be {LAYOUT_FORMAT!r}, got {data.get('format')!r}")
         version = data.get("version")
-        if version != LAYOUT_FORMAT_VERSION:
+        if type(version) is not int or version != LAYOUT_FORMAT_VERSION:  # not True, not 1.0
             raise LayoutError(
                 f"layout description: 'version' {version!r} is not supported "
                 f"(this kvwire reads version {LAYOUT_FORMAT_VERSION})"
@@ -273,12 +314,20 @@ class KVLayout:
                 buffers.append(KVBuffer(**{f: item[f] for f in _BUFFER_FIELDS}))
             except LayoutError as exc:
                 raise LayoutError(f"layout description: buffers[{i}]: {exc}") from None
-        return cls(tuple(buffers))
+        extra = sorted(set(data) - {"format", "version", "buffers", "attn_tp_size"})
+        if extra:
+            raise LayoutError(f"layout description: unknown fields {extra}")
+        try:
+            return cls(tuple(buffers), data.get("attn_tp_size"))
+        except LayoutError as exc:
+            raise LayoutError(f"layout description: {exc}") from None
 
     @classmethod
     def from_json(cls, text: str | bytes) -> KVLayout:
+        if not isinstance(text, (str, bytes)):
+            raise LayoutError(f"layout description must be JSON text, got {type(text).__name__}")
         try:
             data = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise LayoutError(f"layout description is not valid JSON: {exc}") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise LayoutError(f"layout description is not valid JSON: {type(exc).__name__}: {exc}") from None
         return cls.from_dict(data)

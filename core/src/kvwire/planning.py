@@ -47,8 +47,9 @@ from numpy.typing import NDArray
 
 from kvwire.errors import InvalidTransferError
 from kvwire.layout import KVBuffer, KVLayout, MemoryKind
+from kvwire.spec import PARAMETER_FEATURES
 
-__all__ = ["TransferPlan", "plan_transfer"]
+__all__ = ["TransferPlan", "TransferRequest", "check_peer_shape", "plan_transfer"]
 
 _I64 = np.int64
 _EMPTY_I64: Final[NDArray[np.int64]] = np.zeros(0, dtype=np.int64)
@@ -238,7 +239,7 @@ def _build_pairing(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int]
             pairs.append((i, j))
     kinds = [peer.buffers[j].memory for _, j in pairs]
     # the peer LAYOUT decides (not the targets): a layout mixing kinds is a split destination
-    split = len({b.memory for b in peer.buffers}) > 1
+    split = peer.is_split
     parts: list[tuple[MemoryKind, bool, list[int]]]
     if split:  # host buffers take dst_kv_indices, device buffers dst_device_kv_indices; skip an untargeted kind
         parts = [(m, m == "device", [k for k, kind in enumerate(kinds) if kind == m]) for m in ("host", "device")]
@@ -456,6 +457,8 @@ def plan_transfer(
     dst_kv_indices: NDArray[np.integer[Any]],
     dst_layer_ids: Sequence[int] | None = None,
     dst_device_kv_indices: NDArray[np.integer[Any]] | None = None,
+    dst_kv_item_len: int | None = None,
+    dst_attn_tp_size: int | None = None,
     *,
     coalesce: bool = True,
 ) -> TransferPlan:
@@ -488,10 +491,15 @@ def plan_transfer(
     pair (local buffers in layout order; a local buffer's targets in peer
     layout order), then by position in the request.
 
+    ``dst_kv_item_len`` and ``dst_attn_tp_size``, when given, are the caller's
+    idea of the peer's shape (sglang passes them): they must match what the
+    peer's layout says (see :func:`check_peer_shape`).
+
     Raises :class:`InvalidTransferError` (before anything is returned) naming
     the argument and the first offending position and value.
     """
     pairing = _pairing(local, peer, dst_layer_ids)
+    _check_shape(pairing, dst_kv_item_len, dst_attn_tp_size)
     _check_ptrs(pairing, dst_kv_ptrs)
     src_pages = _as_indices("prefill_kv_indices", prefill_kv_indices)
     host_pages = _as_indices("dst_kv_indices", dst_kv_indices)
@@ -545,6 +553,51 @@ def plan_transfer(
     return _assemble(pairing, planned, n * pairing.num_pairs)
 
 
+def check_peer_shape(
+    local: KVLayout,
+    peer: KVLayout,
+    dst_layer_ids: Sequence[int] | None,
+    dst_kv_item_len: int | None,
+    dst_attn_tp_size: int | None,
+) -> None:
+    """Check the caller's idea of the peer's shape against the peer's published layout.
+
+    ``dst_kv_item_len`` must equal the bytes per page of every buffer the request
+    targets; ``dst_attn_tp_size`` must equal the layout's ``attn_tp_size`` when
+    the layout records one. :class:`InvalidTransferError` names both values.
+    """
+    _check_shape(_pairing(local, peer, dst_layer_ids), dst_kv_item_len, dst_attn_tp_size)
+
+
+def _check_scalar(name: str, value: object) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise InvalidTransferError(f"{name} must be an int or None, got {type(value).__name__} {value!r:.100}")
+    if int(value) < 1:
+        raise InvalidTransferError(f"{name} must be >= 1, got {int(value)}")
+    return int(value)
+
+
+def _check_shape(pairing: _Pairing, dst_kv_item_len: object, dst_attn_tp_size: object) -> None:
+    if dst_kv_item_len is not None:
+        item_len = _check_scalar("dst_kv_item_len", dst_kv_item_len)
+        for g in pairing.groups:
+            for j in g.dst_ids:
+                buf = pairing.peer.buffers[j]
+                if buf.page_bytes != item_len:
+                    raise InvalidTransferError(
+                        f"dst_kv_item_len = {item_len}, but the peer's layout says its target "
+                        f"{_peer_name(j, buf)} has {buf.page_bytes} bytes per page; nothing was sent"
+                    )
+    if dst_attn_tp_size is not None:
+        tp = _check_scalar("dst_attn_tp_size", dst_attn_tp_size)
+        recorded = pairing.peer.attn_tp_size
+        if recorded is not None and recorded != tp:
+            raise InvalidTransferError(
+                f"dst_attn_tp_size = {tp}, but the peer's layout records attention TP size {recorded}; "
+                "nothing was sent"
+            )
+
+
 def _assemble(pairing: _Pairing, planned: list[tuple[_Group, _Runs]], descriptors_before: int) -> TransferPlan:
     """Broadcast each group's runs over its buffer pairs into pair-major flat arrays."""
     if len(planned) == 1:
@@ -579,3 +632,45 @@ def _assemble(pairing: _Pairing, planned: list[tuple[_Group, _Runs]], descriptor
             pos = row_start[g.pair_pos][:, None] + np.arange(r, dtype=_I64)
             flat_src[pos], flat_dst[pos], flat_len[pos] = src, dst, length
     return TransferPlan(_frozen(flat_src), _frozen(flat_dst), _frozen(flat_len), descriptors_before)
+
+
+@dataclass(frozen=True)
+class TransferRequest:
+    """What planning reads of one ``send_kvcache`` call (all but ``session_id`` and ``executor``).
+
+    Backends built on :class:`kvwire.TransportBackend` hand the request on as one
+    object, so a parameter added to the spec is threaded through in one place.
+    """
+
+    prefill_kv_indices: NDArray[np.integer[Any]]
+    dst_kv_ptrs: Sequence[int]
+    dst_kv_indices: NDArray[np.integer[Any]]
+    dst_layer_ids: Sequence[int] | None = None
+    dst_device_kv_indices: NDArray[np.integer[Any]] | None = None
+    dst_kv_item_len: int | None = None
+    dst_attn_tp_size: int | None = None
+
+    def features(self) -> frozenset[str]:
+        """The features this request uses: a non-None argument for a parameter bound to a feature."""
+        return frozenset(f for p, f in PARAMETER_FEATURES.items() if getattr(self, p, None) is not None)
+
+    @staticmethod
+    def parameters_for(features: Iterable[str]) -> list[str]:
+        """The parameters that need ``features``, in spec order."""
+        wanted = set(features)
+        return [p for p, f in PARAMETER_FEATURES.items() if f in wanted]
+
+    def plan(self, local: KVLayout, peer: KVLayout, *, coalesce: bool = True) -> TransferPlan:
+        """:func:`plan_transfer` of this request from ``local`` into ``peer``."""
+        return plan_transfer(
+            local,
+            peer,
+            self.prefill_kv_indices,
+            self.dst_kv_ptrs,
+            self.dst_kv_indices,
+            self.dst_layer_ids,
+            self.dst_device_kv_indices,
+            self.dst_kv_item_len,
+            self.dst_attn_tp_size,
+            coalesce=coalesce,
+        )

@@ -24,7 +24,7 @@ from kvwire.config import BackendConfig
 from kvwire.connection import Connection
 from kvwire.errors import (
     BackendDriftError,
-    BackendNotAvailableError,
+    BackendLoadError,
     ConfigError,
     DuplicateBackendError,
     UnsupportedFeatureError,
@@ -98,6 +98,7 @@ class BackendInfo:
                     "fix": f.fix,
                     "spec_signature": f.spec_signature,
                     "impl_signature": f.impl_signature,
+                    "defined_in": f.defined_in,
                 }
                 for f in self.findings
             ],
@@ -298,13 +299,13 @@ class Registry:
     # -- lookup ---------------------------------------------------------------
 
     def get(self, name: str) -> BackendInfo:
-        """The usable backend ``name``, or :class:`BackendNotAvailableError` saying why not."""
+        """The usable backend ``name``, or :class:`BackendLoadError` saying why not."""
         infos = {i.name: i for i in self.load()}
         info = infos.get(name)
         if info is not None and info.usable:
             return info
         reason = "is not installed" if info is None else f"is not available ({info.reason()})"
-        raise BackendNotAvailableError(f"backend {name!r} {reason}. {self._listing(infos.values())}")
+        raise BackendLoadError(f"backend {name!r} {reason}. {self._listing(infos.values())}")
 
     @staticmethod
     def _listing(infos: Iterable[BackendInfo]) -> str:

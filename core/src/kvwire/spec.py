@@ -20,21 +20,23 @@ from types import MappingProxyType
 import numpy as np
 from numpy.typing import NDArray
 
-from kvwire.capabilities import PARAMETER_FEATURES
 from kvwire.layout import KVLayout
 from kvwire.markers import hookspec
 
 __all__ = [
+    "PARAMETER_FEATURES",
     "SPEC_HISTORY",
     "SPEC_VERSION",
+    "AddedParameter",
     "BackendSpec",
     "SpecHook",
     "SpecParam",
+    "SpecRelease",
     "SpecVersion",
     "spec_hooks",
 ]
 
-SPEC_VERSION = "1.2"
+SPEC_VERSION = "1.3"
 
 
 @total_ordering
@@ -65,30 +67,68 @@ class SpecVersion:
 
 
 @dataclass(frozen=True)
+class AddedParameter:
+    """An optional ``send_kvcache`` parameter added by a minor version (None = unused).
+
+    ``feature`` is the capability a backend declares to honour a non-None value,
+    or None for a guard that the core checks itself for every backend (so an
+    older backend, which never receives it, is still protected by it);
+    ``purpose`` says what the parameter is for.
+    """
+
+    hook: str
+    name: str
+    feature: str | None
+    purpose: str
+
+
+@dataclass(frozen=True)
 class SpecRelease:
-    """One spec version: what it added, as (hook, parameter) pairs."""
+    """One spec version and the parameters it added."""
 
     version: SpecVersion
-    summary: str
-    added_parameters: tuple[tuple[str, str], ...] = ()
+    added: tuple[AddedParameter, ...] = ()
 
 
 SPEC_HISTORY: tuple[SpecRelease, ...] = (
-    SpecRelease(
-        SpecVersion(1, 0),
-        "register_kv_buffers, endpoint, add_peer, close; send_kvcache(session_id, prefill_kv_indices, "
-        "dst_kv_ptrs, dst_kv_indices, executor)",
-    ),
+    SpecRelease(SpecVersion(1, 0)),
     SpecRelease(
         SpecVersion(1, 1),
-        "send_kvcache: +dst_layer_ids (pipeline-parallel layer mapping)",
-        (("send_kvcache", "dst_layer_ids"),),
+        (AddedParameter("send_kvcache", "dst_layer_ids", "layer_ids", "pipeline-parallel layer mapping"),),
     ),
     SpecRelease(
         SpecVersion(1, 2),
-        "send_kvcache: +dst_device_kv_indices (HiSparse split host/device destinations)",
-        (("send_kvcache", "dst_device_kv_indices"),),
+        (
+            AddedParameter(
+                "send_kvcache",
+                "dst_device_kv_indices",
+                "device_kv_indices",
+                "HiSparse split host/device destinations",
+            ),
+        ),
     ),
+    SpecRelease(
+        SpecVersion(1, 3),
+        (
+            AddedParameter(
+                "send_kvcache",
+                "dst_kv_item_len",
+                None,
+                "the peer's bytes per page as the caller knows it; checked against the peer's layout",
+            ),
+            AddedParameter(
+                "send_kvcache",
+                "dst_attn_tp_size",
+                None,
+                "the peer's attention tensor-parallel size as the caller knows it; checked against the peer's layout",
+            ),
+        ),
+    ),
+)
+
+#: ``send_kvcache`` parameter -> the feature that makes a non-None value meaningful (from the history).
+PARAMETER_FEATURES: Mapping[str, str] = MappingProxyType(
+    {p.name: p.feature for release in SPEC_HISTORY for p in release.added if p.feature is not None}
 )
 
 
@@ -123,10 +163,14 @@ class BackendSpec:
         executor: Executor | None,
         dst_layer_ids: Sequence[int] | None = None,
         dst_device_kv_indices: NDArray[np.int32] | None = None,
+        dst_kv_item_len: int | None = None,
+        dst_attn_tp_size: int | None = None,
     ) -> int:
         """Write the pages ``prefill_kv_indices`` into the peer; return the bytes moved.
 
-        Failures raise :class:`kvwire.TransferError` (or a subclass), never a status code.
+        The parameters follow sglang's ``MooncakeKVManager.send_kvcache`` (0.5.18+),
+        with ``session_id`` for its ``mooncake_session_id``. Failures raise
+        :class:`kvwire.TransferError` (or a subclass), never a status code.
         """
         raise NotImplementedError
 
@@ -167,7 +211,7 @@ class SpecHook:
 
 def _since(hook: str, param: str) -> SpecVersion:
     for release in SPEC_HISTORY:
-        if (hook, param) in release.added_parameters:
+        if any((p.hook, p.name) == (hook, param) for p in release.added):
             return release.version
     return SPEC_HISTORY[0].version
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from kvwire.annotations import UnresolvedAnnotation, annotation_key, format_annotation, resolve_annotation
@@ -20,7 +20,7 @@ from kvwire.capabilities import FEATURES
 from kvwire.config import BackendConfig
 from kvwire.findings import Finding, PluginOrigin, Rule
 from kvwire.markers import IMPL_ATTR
-from kvwire.spec import CURRENT, SpecHook, SpecVersion, features_at, known_versions, spec_hooks
+from kvwire.spec import CURRENT, PARAMETER_FEATURES, SpecHook, SpecVersion, features_at, known_versions, spec_hooks
 
 __all__ = ["Status", "ValidationResult", "validate_backend"]
 
@@ -60,6 +60,7 @@ class _Issue:
     fix: str
     spec_signature: str = ""
     impl_signature: str = ""
+    defined_in: str | None = None  # the parent class the hook is inherited from (None: this class)
 
 
 def _impl_parameters(func: Callable[..., Any], is_method: bool) -> tuple[list[inspect.Parameter], str]:
@@ -177,7 +178,8 @@ def _compare_hook(hook: SpecHook, func: Callable[..., Any], is_method: bool) -> 
             add(
                 "unknown-parameter",
                 f"parameter `{p.name}` is not in spec {_version_of(hook)}",
-                f"remove `{p.name}`; backend options belong in BackendConfig.options",
+                f"remove `{p.name}`: a hook receives exactly the spec's arguments; a per-call value the host "
+                "passes needs a spec version that has the parameter (upgrade kvwire and declare it)",
             )
     for sp in missing:
         if sp.name in renamed:
@@ -188,7 +190,9 @@ def _compare_hook(hook: SpecHook, func: Callable[..., Any], is_method: bool) -> 
         adapt = ""
         if added:
             older = max(v for v in known_versions() if v < sp.since)
-            adapt = f", or declare spec_version = '{older}' to load adapted with that feature off"
+            feature = PARAMETER_FEATURES.get(sp.name)
+            drop = f" and drop {feature!r} from capabilities" if feature else ""
+            adapt = f", or declare spec_version = '{older}'{drop} to load adapted with that feature off"
         add(
             "missing-parameter",
             f"parameter `{sp.name}`{added} is missing (the caller's value would be dropped)",
@@ -279,7 +283,19 @@ def _with_self(signature: str) -> str:
     return f"{name}(self{'' if rest.startswith(')') else ', '}{rest}"
 
 
+def _owner(cls: type, name: str) -> str | None:
+    """``module:Qualname`` of the parent class ``cls`` inherits ``name`` from; None when ``cls`` defines it."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return None if klass is cls else f"{klass.__module__}:{klass.__qualname__}"
+    return None
+
+
 def _check_hooks(cls: type, version: SpecVersion) -> list[_Issue]:
+    return [replace(i, defined_in=_owner(cls, i.hook)) for i in _hook_issues(cls, version)]
+
+
+def _hook_issues(cls: type, version: SpecVersion) -> list[_Issue]:
     hooks = spec_hooks(version)
     issues: list[_Issue] = []
     for name in sorted(dir(cls)):
@@ -360,7 +376,7 @@ def _declared_capabilities(cls: type, version: SpecVersion) -> tuple[frozenset[s
                 impl_side,
             )
         )
-    later = {"layer_ids", "device_kv_indices"} - features_at(version)
+    later = set(PARAMETER_FEATURES.values()) - features_at(version)
     for name in sorted(declared & later):
         issues.append(
             _Issue(
@@ -370,6 +386,18 @@ def _declared_capabilities(cls: type, version: SpecVersion) -> tuple[frozenset[s
                 f"declare spec_version {CURRENT} and implement its parameters, or drop {name!r}",
                 f"spec {version}: send_kvcache parameters honour {sorted(features_at(version))}",
                 impl_side,
+            )
+        )
+    if "raw_write" in declared and not callable(getattr(cls, "raw_write", None)):
+        issues.append(
+            _Issue(
+                "capabilities",
+                "capabilities",
+                "declares 'raw_write' but has no `raw_write(session_id, plan)` method",
+                "subclass kvwire.TransportBackend with a transport that implements kvwire.RawWriter, "
+                "or drop 'raw_write'",
+                "raw_write(self, session_id: str, plan: TransferPlan) -> None",
+                "<absent>",
             )
         )
     return declared & set(FEATURES), issues
@@ -468,4 +496,5 @@ def _to_finding(issue: _Issue, origin: PluginOrigin) -> Finding:
         issue.spec_signature,
         issue.impl_signature,
         issue.fix,
+        issue.defined_in,
     )

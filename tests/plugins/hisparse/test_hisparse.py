@@ -12,8 +12,9 @@ import pytest
 import kvwire
 from kvwire import KVBuffer, KVLayout
 from kvwire.testing.contract import *  # noqa: F403 - the contract suite, two real processes
-from kvwire.testing.harness import ContractHarness, fragmented_pages
+from kvwire.testing.harness import ContractHarness
 from kvwire.testing.receiver import LayoutSpec
+from kvwire.workload.fragment import fragmented_pages
 
 pytestmark = pytest.mark.slow
 
@@ -40,26 +41,56 @@ def _known_layouts() -> tuple[KVLayout, KVLayout]:
     return local, peer
 
 
-def test_known_vector_through_the_backend_planning_path() -> None:
+class _PlanRecorder(kvwire.Transport):
+    """Records the plans the backend hands its transport (synthetic addresses: nothing is written)."""
+
+    def __init__(self) -> None:
+        self.plans: list[tuple[str, kvwire.TransferPlan]] = []
+
+    @property
+    def endpoint(self) -> str:
+        return "recorder:1"
+
+    def register_memory(self, base: int, nbytes: int) -> None:
+        pass
+
+    def unregister_memory(self, base: int) -> None:
+        pass
+
+    def write(self, session_id: str, plan: kvwire.TransferPlan) -> None:
+        self.plans.append((session_id, plan))
+
+    def close(self) -> None:
+        pass
+
+
+def test_known_vector_through_send_kvcache() -> None:
+    """HiSparseBackend.send_kvcache hands its transport the plan of the known vector, device ids included."""
     from kvwire_hisparse.backend import HiSparseBackend
 
-    backend = HiSparseBackend(kvwire.BackendConfig())
-    try:
-        local, peer = _known_layouts()
-        backend.transport.layouts.register(local)  # planning only: synthetic addresses, never registered
-        backend.add_peer("decode:1", peer)
-        plan = backend.transport.layouts.plan(
-            "decode:1",
-            np.array([1, 2], np.int32),
-            [10000, 20000, 30000],
-            np.array([7, 8], np.int32),
-            None,
-            np.array([21, 22], np.int32),
-        )
-        triples = list(zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist()))
-        assert triples == [(1100, 10700, 200), (2100, 22100, 200), (3100, 32100, 200)]
-    finally:
-        backend.close()
+    class Recorded(HiSparseBackend):
+        def open_transport(self, config: kvwire.BackendConfig) -> kvwire.Transport:
+            return _PlanRecorder()
+
+    backend = Recorded(kvwire.BackendConfig())
+    local, peer = _known_layouts()
+    backend.register_kv_buffers(local)
+    backend.add_peer("decode:1", peer)
+    moved = backend.send_kvcache(
+        "decode:1",
+        np.array([1, 2], np.int32),
+        [10000, 20000, 30000],
+        np.array([7, 8], np.int32),
+        None,
+        None,
+        np.array([21, 22], np.int32),
+    )
+    assert moved == 600
+    assert isinstance(backend.transport, _PlanRecorder)
+    ((session, plan),) = backend.transport.plans
+    triples = list(zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist()))
+    assert (session, triples) == ("decode:1", [(1100, 10700, 200), (2100, 22100, 200), (3100, 32100, 200)])
+    backend.close()
 
 
 @pytest.mark.parametrize(
@@ -118,7 +149,7 @@ def test_bench_with_split_preset() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
-    assert result["verified"] is True
+    assert (result["verified"], result["guards_unchanged"]) == (True, True)
     assert result["backend"] == "hisparse"
     assert result["bytes"] == 3 * 64 * 18432 * 61 * 2  # 64 pages x 61 layers x (host + device)
     assert {"gbps", "p50_ms", "p99_ms", "descriptors_before", "descriptors_after"} <= set(result)

@@ -12,7 +12,8 @@ Then it reads commands from stdin, one per line, and answers each with one JSON 
 * ``quit`` (or end of input) -> exits 0.
 
 The peer deliberately uses the raw engine, not ``MooncakeEngine``, so the wrapper
-under test is only ever the sender.
+under test is only ever the sender. The tests import :func:`initial_buffer` from
+this file (pytest puts the test directory on ``sys.path``; there are no packages).
 """
 
 from __future__ import annotations

@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 
 import kvwire
-from kvwire.benchmark.pools import Pool
 from kvwire.benchmark.presets import get_preset
-from kvwire.benchmark.wire import digest, parse_peer_description
 from kvwire.control import ChildProcess, ControlError
+from kvwire.workload.memory import allocate
 
 pytestmark = pytest.mark.slow
 
@@ -21,22 +20,28 @@ def test_scrambled_pages_fail_verification_until_written_again() -> None:
     args = {"backend": "mooncake", "preset": preset.name, "pages": 64, "seed": 3}
     decode = ChildProcess("kvwire.benchmark.decode", [json.dumps(args)], what="decode process")
     try:
-        endpoint, peer = parse_peer_description(decode.read())
-        pool = Pool(preset, 64, decode_side=False)
+        peer = kvwire.PeerDescription.from_dict(decode.read())
+        pool = allocate(preset.entries(decode_side=False), 64, preset.page_bytes)
         pool.fill_random(4)
         src, dst = np.array([3, 4, 9], np.int32), np.array([10, 11, 40], np.int32)
-        expected = digest(pool.views, src.astype(np.int64))
+        expected = pool.digest(src.astype(np.int64))
         pages = {"host_pages": dst.tolist(), "device_pages": None}
+        verify = {"cmd": "verify", "digest": expected, **pages}
         with kvwire.connect("mooncake") as conn:
             conn.register_kv_buffers(pool.layout)
-            conn.add_peer(endpoint, peer)
-            ptrs = [b.base for b in peer.buffers]
-            conn.send_kvcache(endpoint, src, ptrs, dst)
-            assert decode.request({"cmd": "verify", "digest": expected, **pages})["ok"] is True
+            conn.add_peer(peer.endpoint, peer.layout)
+            ptrs = [b.base for b in peer.layout.buffers]
+            conn.send_kvcache(peer.endpoint, src, ptrs, dst)
+            assert decode.request(verify) == {"ok": True, "guards_ok": True}
             decode.request({"cmd": "scramble", **pages})
-            assert decode.request({"cmd": "verify", "digest": expected, **pages})["ok"] is False
-            conn.send_kvcache(endpoint, src, ptrs, dst)
-            assert decode.request({"cmd": "verify", "digest": expected, **pages})["ok"] is True
+            assert decode.request(verify) == {"ok": False, "guards_ok": True}
+            conn.send_kvcache(peer.endpoint, src, ptrs, dst)
+            assert decode.request(verify) == {"ok": True, "guards_ok": True}
+            # a write one page past a target run changes a guard page: caught
+            decode.request({"cmd": "scramble", **pages})
+            conn.send_kvcache(peer.endpoint, src, ptrs, dst)
+            conn.send_kvcache(peer.endpoint, np.array([5], np.int32), ptrs, np.array([12], np.int32))
+            assert decode.request(verify) == {"ok": True, "guards_ok": False}
         with pytest.raises(ControlError, match=r"decode process failed: unknown command 'bogus'"):
             decode.request({"cmd": "bogus"})
     finally:

@@ -1,7 +1,8 @@
 """``MooncakeEngine``: real engine, real second process (``_engine_peer.py``), faults included.
 
-The receiver is a separate process with a raw Mooncake engine; it reports its
-endpoint and buffer address on stdout and the sha256 of its buffer on request,
+The receiver is a separate process with a raw Mooncake engine (``_engine_peer.py``,
+run by path; pytest puts this directory on ``sys.path`` for its helper); it reports
+its endpoint and buffer address on stdout and the sha256 of its buffer on request,
 so every transfer is checked byte for byte against a buffer computed here.
 Nothing sleeps and hopes: the tests synchronise on the peer's stdout lines.
 A few tests use small in-process engine doubles for paths a real engine cannot
@@ -26,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _engine_peer import initial_buffer
 from numpy.typing import NDArray
 
 from kvwire.config import BackendConfig
@@ -37,10 +39,9 @@ from kvwire.errors import (
     TransferTimeoutError,
 )
 from kvwire_mooncake.engine import MooncakeEngine
+from kvwire_mooncake.raw import raw_write
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-from _engine_peer import initial_buffer  # noqa: E402
 
 HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
 needs_engine = pytest.mark.skipif(not HAVE_MOONCAKE, reason="mooncake-transfer-engine not installed")
@@ -216,7 +217,7 @@ class Recording:
 
 def recording_factory(made: list[Recording]) -> Callable[[], Recording]:
     def make() -> Recording:
-        # imported here, after MooncakeEngine set MC_LOG_LEVEL
+        # imported here, when MooncakeEngine needs it (and after it set MC_LOG_LEVEL, with process_settings)
         made.append(Recording(importlib.import_module("mooncake.engine").TransferEngine()))
         return made[-1]
 
@@ -262,11 +263,11 @@ def test_missing_system_library_names_the_debian_packages(monkeypatch: pytest.Mo
 
 @needs_engine
 @pytest.mark.timeout(60)
-def test_engine_creation_is_quiet_unless_verbose() -> None:
+def test_engine_creation_is_quiet_with_process_settings_unless_verbose() -> None:
     code = (
         "from kvwire.config import BackendConfig\n"
         "from kvwire_mooncake.engine import MooncakeEngine\n"
-        "e = MooncakeEngine(BackendConfig(verbose={verbose}))\n"
+        "e = MooncakeEngine(BackendConfig(verbose={verbose}, process_settings=True))\n"
         "print(e.endpoint)\n"
         "import os; os._exit(0)\n"
     )
@@ -341,7 +342,9 @@ def test_fragmented_random_write_is_byte_exact(
 @pytest.mark.timeout(60)
 def test_writes_beyond_the_engine_queue_limit_are_chunked_and_bounded(peers: Callable[..., Peer]) -> None:
     made: list[Recording] = []
-    config = BackendConfig(timeout_s=TIMEOUT_S, max_descriptors_per_call=512, max_inflight_per_peer=1024)
+    config = BackendConfig(
+        timeout_s=TIMEOUT_S, options={"max_descriptors_per_call": 512, "max_inflight_per_peer": 1024}
+    )
     with MooncakeEngine(config, engine_factory=recording_factory(made)) as eng:
         source = Source(eng, 16 * MiB)
         peer = peers(16 * MiB, seed=2)
@@ -409,11 +412,11 @@ def test_raw_write_is_the_bare_chunked_engine_call(
 ) -> None:
     peer = peers(4 * MiB, seed=12)
     src, dst, length = fragmented(np.random.default_rng(13), 3000, 4 * MiB, 512)
-    sender.raw_write(peer.endpoint, src + source.addr, dst + peer.addr, length)  # > 2060: chunked
+    raw_write(sender, peer.endpoint, src + source.addr, dst + peer.addr, length)  # > 2060: chunked
     apply(peer.expected, source.data, src, dst, length)
     assert peer.sha256() == peer.expected_sha256()
     with pytest.raises(TransferError) as info:
-        sender.raw_write(peer.endpoint, src[:1] + source.addr, np.array([peer.addr + 4 * MiB]), length[:1])
+        raw_write(sender, peer.endpoint, src[:1] + source.addr, np.array([peer.addr + 4 * MiB]), length[:1])
     assert info.value.code == -1
 
 
@@ -490,33 +493,68 @@ def test_peer_killed_mid_transfer_fails_fast_and_others_are_still_served(
     assert other.sha256() == other.expected_sha256()
 
 
+@pytest.fixture
+def restore_environ() -> Iterator[None]:
+    """Puts ``os.environ`` back afterwards (an engine created with ``process_settings`` sets MC_* variables)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @needs_engine
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("contacted", [True, False], ids=["after-first-contact", "before-first-contact"])
+@pytest.mark.parametrize(
+    ("contacted", "process_settings"),
+    [(True, False), (False, False), (True, True)],
+    ids=["after-first-contact", "before-first-contact", "after-first-contact-process-settings"],
+)
 def test_frozen_peer_times_out_within_timeout_s_and_is_served_when_resumed(
-    sender: MooncakeEngine, source: Source, peers: Callable[..., Peer], contacted: bool
+    sender: MooncakeEngine,
+    source: Source,
+    peers: Callable[..., Peer],
+    restore_environ: None,
+    contacted: bool,
+    process_settings: bool,
 ) -> None:
-    """Frozen after the handshake, the engine's TCP deadlines end the write; frozen before
-    it, the handshake blocks 60 s in the engine and the Python deadline ends the write."""
+    """Frozen before the handshake, the handshake blocks 60 s in the engine and the Python deadline
+    ends the write. Frozen after it, the same holds by default (the engine's own TCP deadlines are
+    30 s); with ``process_settings`` they are set below ``timeout_s`` and the engine ends the write."""
+    engine, own = sender, source
+    if process_settings:
+        for name in ("MC_TCP_STATUS_TIMEOUT_SEC", "MC_TCP_PROGRESS_TIMEOUT_SEC"):
+            os.environ.pop(name, None)  # a value set by the user would be kept
+        engine = MooncakeEngine(BackendConfig(timeout_s=TIMEOUT_S, process_settings=True))
+        own = Source(engine)  # the same seed: the same bytes as source
+        assert os.environ["MC_TCP_STATUS_TIMEOUT_SEC"] == os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "2"
+    src_base = own.addr
     peer = peers(seed=6)
     src, dst, length = fragmented(np.random.default_rng(6), 100, PEER_SIZE, 64 * 1024)
-    if contacted:
-        sender.write(peer.endpoint, src + source.addr, dst + peer.addr, length)
-    peer.signal(signal.SIGSTOP)
     try:
-        err, elapsed = raises_within(
-            TransferTimeoutError,
-            TIMEOUT_S + SLACK_S,
-            lambda: sender.write(peer.endpoint, src + source.addr, dst + peer.addr, length),
-        )
-        print(f"frozen peer ({'after' if contacted else 'before'} first contact): {elapsed:.3f} s")
-        assert err.peer == peer.endpoint
+        if contacted:
+            engine.write(peer.endpoint, src + src_base, dst + peer.addr, length)
+        peer.signal(signal.SIGSTOP)
+        try:
+            err, elapsed = raises_within(
+                TransferTimeoutError,
+                TIMEOUT_S + SLACK_S,
+                lambda: engine.write(peer.endpoint, src + src_base, dst + peer.addr, length),
+            )
+            print(f"frozen peer ({'after' if contacted else 'before'} first contact): {elapsed:.3f} s")
+            assert err.peer == peer.endpoint
+            if process_settings:  # the engine's deadline: its code
+                assert err.code == -1 and "within the engine's 2 s deadline" in str(err), err
+            else:  # the Python deadline: no code, the call stays inside the engine
+                assert err.code is None and "is still inside the engine" in str(err), err
+        finally:
+            peer.signal(signal.SIGCONT)
+        # usable again (a call still stuck in the engine is waited for, not joined)
+        engine.write(peer.endpoint, src + src_base, dst + peer.addr, length)
+        apply(peer.expected, source.data, src, dst, length)
+        assert peer.sha256() == peer.expected_sha256()
     finally:
-        peer.signal(signal.SIGCONT)
-    # usable again (a call still stuck in the engine is waited for, not joined)
-    sender.write(peer.endpoint, src + source.addr, dst + peer.addr, length)
-    apply(peer.expected, source.data, src, dst, length)
-    assert peer.sha256() == peer.expected_sha256()
+        if engine is not sender:
+            engine.close()
 
 
 @needs_engine
@@ -662,6 +700,8 @@ def test_close_is_idempotent_and_unregisters_everything() -> None:
     assert len(double.live) == 3
     eng.close()
     eng.close()
-    assert double.live == set() and eng.registered == () and eng.closed
+    assert double.live == set() and eng.registered == ()
     with pytest.raises(TransferError, match="closed"):
         eng.write("peer:1", np.array([int(bufs[0].ctypes.data)]), np.array([1]), np.array([1]))
+    with pytest.raises(TransferError, match="closed"):
+        raw_write(eng, "peer:1", np.array([int(bufs[0].ctypes.data)]), np.array([1]), np.array([1]))

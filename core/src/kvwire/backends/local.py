@@ -1,9 +1,12 @@
 """``local``: the reference backend, moving bytes between buffers of one process.
 
-It supports every capability and does exactly what the spec says with the
-core's planning and nothing else, so it is the yardstick the contract test kit
-is run against. Its endpoints live in one process-wide directory; a peer's
-published layout must equal the layout that endpoint actually registered.
+It supports every send feature and does exactly what the spec says with the
+core's base and planning and nothing else, so it is the yardstick the contract
+test kit is run against. Its endpoints live in one process-wide directory, so
+it reaches only endpoints of its own process (it does not declare
+``interprocess``). Like a real engine it writes only inside memory the peer
+registered: a peer description that claims more than the peer registered is
+refused before any byte moves.
 """
 
 from __future__ import annotations
@@ -13,71 +16,40 @@ import itertools
 import os
 import threading
 import weakref
-from collections.abc import Sequence
-from concurrent.futures import Executor
 
-import numpy as np
-from numpy.typing import NDArray
-
+from kvwire.base import Transport, TransportBackend
 from kvwire.config import BackendConfig
-from kvwire.errors import InvalidTransferError, PeerUnreachableError
-from kvwire.layout import KVLayout
-from kvwire.markers import hookimpl
-from kvwire.peers import LayoutBook
+from kvwire.errors import PeerUnreachableError
 from kvwire.planning import TransferPlan
+from kvwire.regions import RegionSet
 
-__all__ = ["LocalBackend"]
+__all__ = ["LocalBackend", "LocalTransport"]
 
-_directory: weakref.WeakValueDictionary[str, LocalBackend] = weakref.WeakValueDictionary()
+_directory: weakref.WeakValueDictionary[str, LocalTransport] = weakref.WeakValueDictionary()
 _counter = itertools.count(1)
 _lock = threading.Lock()
 
 
-def apply_plan(plan: TransferPlan) -> None:
-    """Copy every descriptor of ``plan`` with memmove (addresses were bounds-checked by planning)."""
-    for src, dst, length in zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist()):
-        ctypes.memmove(dst, src, length)
+class LocalTransport(Transport):
+    """memmove between registered regions of endpoints in this process."""
 
-
-class LocalBackend:
-    """In-process transfers; every feature supported."""
-
-    spec_version = "1.2"
-    capabilities = frozenset({"layer_ids", "device_kv_indices", "mha", "mla", "host_memory", "device_memory"})
-
-    def __init__(self, config: BackendConfig) -> None:
-        self.config = config
-        self._layouts = LayoutBook()
+    def __init__(self) -> None:
+        self.regions = RegionSet()
         with _lock:
             self._endpoint = f"local://{os.getpid()}/{next(_counter)}"
             _directory[self._endpoint] = self
 
-    @hookimpl
-    def register_kv_buffers(self, layout: KVLayout) -> None:
-        self._layouts.register(layout)
-
-    @hookimpl
+    @property
     def endpoint(self) -> str:
         return self._endpoint
 
-    @hookimpl
-    def add_peer(self, session_id: str, layout: KVLayout) -> None:
-        self._layouts.add_peer(session_id, layout)
+    def register_memory(self, base: int, nbytes: int) -> None:
+        self.regions.add(base, nbytes)
 
-    @hookimpl
-    def send_kvcache(
-        self,
-        session_id: str,
-        prefill_kv_indices: NDArray[np.int32],
-        dst_kv_ptrs: Sequence[int],
-        dst_kv_indices: NDArray[np.int32],
-        executor: Executor | None,
-        dst_layer_ids: Sequence[int] | None = None,
-        dst_device_kv_indices: NDArray[np.int32] | None = None,
-    ) -> int:
-        plan = self._layouts.plan(
-            session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, dst_layer_ids, dst_device_kv_indices
-        )
+    def unregister_memory(self, base: int) -> None:
+        self.regions.remove(base)
+
+    def write(self, session_id: str, plan: TransferPlan) -> None:
         peer = _directory.get(session_id)
         if peer is None:
             raise PeerUnreachableError(
@@ -85,16 +57,23 @@ class LocalBackend:
                 "reaches endpoints of its own process)",
                 peer=session_id,
             )
-        if peer._layouts.local != self._layouts.peer(session_id):
-            raise InvalidTransferError(
-                f"session_id {session_id!r}: the layout given to add_peer differs from the one the peer registered"
-            )
-        apply_plan(plan)
-        return plan.nbytes
+        self.regions.check(plan.src, plan.length)
+        peer.regions.check(plan.dst, plan.length, names=("dst", "length"), where=f"memory of peer {session_id!r}")
+        for src, dst, length in zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist()):
+            ctypes.memmove(dst, src, length)
 
-    @hookimpl
     def close(self) -> None:
         with _lock:
             if _directory.get(self._endpoint) is self:
                 del _directory[self._endpoint]
-        self._layouts.clear()
+        self.regions.clear()
+
+
+class LocalBackend(TransportBackend):
+    """In-process transfers; every send feature supported."""
+
+    spec_version = "1.3"
+    capabilities = frozenset({"layer_ids", "device_kv_indices", "mha", "mla", "host_memory", "device_memory"})
+
+    def open_transport(self, config: BackendConfig) -> LocalTransport:
+        return LocalTransport()

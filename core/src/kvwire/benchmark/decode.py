@@ -1,6 +1,11 @@
 """The bench's decode process: allocate, register, publish, then scramble and verify pages on request.
 
 Run by ``kvwire bench`` as ``python -m kvwire.benchmark.decode '<json args>'``.
+``scramble`` sets the target pages to a byte value (memset speed) and records a
+digest of their guard pages (the pages just before and after every target
+run); ``verify`` then checks the target pages against the sender's digest and
+that the guard pages did not change, so a write that fell short or overran is
+caught.
 """
 
 from __future__ import annotations
@@ -12,69 +17,74 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from kvwire.benchmark.pools import Pool
 from kvwire.benchmark.presets import get_preset
-from kvwire.benchmark.wire import digest, is_split, peer_description
 from kvwire.config import BackendConfig
-from kvwire.control import read_command, reply
+from kvwire.control import reply, serve
+from kvwire.layout import MemoryKind
+from kvwire.peer import PeerDescription
 from kvwire.registry import connect
+from kvwire.workload.memory import KVMemory, allocate
+
+PageSets = list[tuple[MemoryKind | None, NDArray[np.int64]]]
 
 
-def _views(pool: Pool, kind: str | None) -> list[NDArray[np.uint8]]:
-    """Host-readable views of the buffers of one memory kind (all buffers when ``kind`` is None)."""
-    out = []
-    for i, buf in enumerate(pool.layout.buffers):
-        if kind is None or buf.memory == kind:
-            view = pool.views[i]
-            out.append(view if view.size else pool.tensors[i].cpu().numpy())
-    return out
-
-
-def _page_sets(pool: Pool, message: dict[str, Any]) -> list[tuple[str | None, NDArray[np.int64]]]:
-    """(memory kind, pages) addressed by a request: split layouts have two page-id spaces."""
+def page_sets(memory: KVMemory, message: dict[str, Any]) -> PageSets:
+    """(memory kind, pages) addressed by a request: a split layout has two page-id spaces."""
     host = np.asarray(message["host_pages"], np.int64)
-    if not is_split(pool.layout):
+    if not memory.layout.is_split:
         return [(None, host)]
     return [("host", host), ("device", np.asarray(message["device_pages"], np.int64))]
+
+
+def guard_pages(pages: NDArray[np.int64], num_pages: int) -> NDArray[np.int64]:
+    """The pages next to ``pages`` that are not in it: where a write off by one page would land."""
+    near = np.concatenate([pages - 1, pages + 1])
+    near = near[(near >= 0) & (near < num_pages)]
+    return np.setdiff1d(near, pages)
+
+
+class DecodeSide:
+    """The decode side's memory and the scramble/verify commands."""
+
+    def __init__(self, memory: KVMemory) -> None:
+        self.memory = memory
+        self.fill = 0
+        self.guards: list[str] = []
+
+    def scramble(self, message: dict[str, Any]) -> dict[str, Any]:
+        self.fill = (self.fill + 1) % 256  # a different value each time: stale bytes never pass
+        self.guards = []
+        for kind, pages in page_sets(self.memory, message):
+            self.memory.fill_pages(pages, self.fill, kind)
+            self.guards.append(self.memory.digest(guard_pages(pages, self.memory.num_pages), kind))
+        return {"ok": True}
+
+    def verify(self, message: dict[str, Any]) -> dict[str, Any]:
+        sets = page_sets(self.memory, message)
+        targets = [self.memory.digest(pages, kind) for kind, pages in sets]
+        guards = [self.memory.digest(guard_pages(pages, self.memory.num_pages), kind) for kind, pages in sets]
+        # every page set holds a full copy of the sender's pages (split presets mirror all layers per kind)
+        ok = all(t == message["digest"] for t in targets)
+        return {"ok": ok, "guards_ok": not self.guards or guards == self.guards}
 
 
 def main(raw: str) -> int:
     args = json.loads(raw)
     try:
         preset = get_preset(args["preset"])
-        pool = Pool(preset, int(args["pages"]), decode_side=True, device=args.get("device", "cpu"))
-        pool.fill_random(int(args["seed"]))
+        device = args.get("device", "cpu")
+        entries = preset.entries(decode_side=True, device=device)
+        memory = allocate(entries, int(args["pages"]), preset.page_bytes, backing="auto", device=device)
+        memory.fill_random(int(args["seed"]))
         conn = connect(args["backend"], BackendConfig.from_dict(args.get("config", {})))
-        conn.register_kv_buffers(pool.layout)
+        conn.register_kv_buffers(memory.layout)
     except Exception as exc:
         reply({"error": f"{type(exc).__name__}: {exc}"})
         return 1
-    reply(peer_description(conn.endpoint(), pool.layout))
-    rng = np.random.default_rng(int(args["seed"]) + 1)
+    reply(PeerDescription(conn.endpoint(), memory.layout).to_dict())
+    side = DecodeSide(memory)
     with conn:
-        while (message := read_command()) is not None and message.get("cmd") != "quit":
-            if message.get("cmd") == "scramble":  # make stale bytes from an earlier write detectable
-                for kind, pages in _page_sets(pool, message):
-                    for i, buf in enumerate(pool.layout.buffers):
-                        if kind is None or buf.memory == kind:
-                            fresh = rng.integers(0, 256, (pages.size, buf.page_bytes), dtype=np.uint8)
-                            if pool.views[i].size:
-                                pool.views[i][pages] = fresh
-                            else:
-                                import torch
-
-                                idx = torch.from_numpy(pages).to(pool.tensors[i].device)
-                                pool.tensors[i][idx] = torch.from_numpy(fresh).to(pool.tensors[i].device)
-                reply({"ok": True})
-            elif message.get("cmd") == "verify":
-                results = [
-                    digest(_views(pool, kind), pages) == message["digest"] for kind, pages in _page_sets(pool, message)
-                ]
-                reply({"ok": all(results)})
-            else:
-                reply({"error": f"unknown command {message.get('cmd')!r}"})
-    if message is not None:
-        reply({"ok": True})
+        serve({"scramble": side.scramble, "verify": side.verify})
     return 0
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvwire.errors import ConfigError
+from kvwire.layout import MemoryKind, Role
+from kvwire.workload.memory import BufferEntry
 
 __all__ = ["PRESETS", "Preset", "get_preset"]
 
@@ -27,9 +29,19 @@ class Preset:
     def page_bytes(self) -> int:
         return self.page_tokens * self.kv_heads * self.head_dim * self.dtype_bytes
 
-    @property
-    def buffers_per_layer(self) -> int:
-        return 2 if self.attention == "mha" else 1
+    def entries(self, *, decode_side: bool, device: str = "cpu") -> list[BufferEntry]:
+        """(layer, role, memory) of every buffer one side allocates.
+
+        The decode side of a split preset holds host and device buffers; with a
+        ``device`` other than cpu, the decode side's buffers are device buffers.
+        """
+        roles: tuple[Role, ...] = ("k", "v") if self.attention == "mha" else ("kv",)
+        kinds: tuple[MemoryKind, ...] = ("host",)
+        if decode_side and self.split_device:
+            kinds = ("host", "device")
+        elif decode_side and device != "cpu":
+            kinds = ("device",)
+        return [(layer, role, kind) for kind in kinds for role in roles for layer in range(self.num_layers)]
 
 
 PRESETS: dict[str, Preset] = {

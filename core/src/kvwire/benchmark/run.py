@@ -2,9 +2,12 @@
 
 Each request takes random fragmented pages (mean run ``--mean-run``) on both
 sides, is sent through the chosen backend, timed, and verified on the decode
-side by a digest of every page. ``--compare-raw`` sends the identical
-descriptors through the backend's raw engine call in the same run;
-``--compare-uncoalesced`` sends one descriptor per page instead.
+side (the target pages by digest, and their guard pages unchanged).
+``--compare-raw`` sends the identical descriptors through the backend's raw
+engine call (the ``raw_write`` extension) in the same run;
+``--compare-uncoalesced`` sends one descriptor per page through it. Before
+every mode the decode side scrambles the target pages, so every mode is timed
+on the same memory state and only kvwire's own write can pass verification.
 """
 
 from __future__ import annotations
@@ -19,28 +22,32 @@ from functools import partial
 from typing import Any
 
 import numpy as np
-from numpy.typing import NDArray
 
-from kvwire.benchmark.fragment import place, run_lengths
-from kvwire.benchmark.pools import Pool
 from kvwire.benchmark.presets import PRESETS, get_preset
-from kvwire.benchmark.wire import digest, is_split, parse_peer_description
 from kvwire.config import BackendConfig
 from kvwire.connection import Connection
 from kvwire.control import ChildProcess
 from kvwire.errors import ConfigError
 from kvwire.layout import KVLayout
+from kvwire.peer import PeerDescription
 from kvwire.planning import plan_transfer
-from kvwire.registry import connect
+from kvwire.registry import connect, default_registry
+from kvwire.workload.fragment import place, run_lengths
+from kvwire.workload.memory import KVMemory, allocate
 
 __all__ = ["add_arguments", "run"]
 
-RawWrite = Callable[[str, NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]], None]
+
+def _option(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default="mooncake", help="backend name (default: mooncake)")
-    parser.add_argument("--preset", default="llama3-8b", help=f"layout preset: {', '.join(PRESETS)}")
+    parser.add_argument("--backend", default=None, help="backend name (one that reaches other processes)")
+    parser.add_argument("--preset", default="llama3-8b", choices=list(PRESETS), help="layout preset")
     parser.add_argument("--requests", type=int, default=16, help="number of requests (default 16)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per request (default 4096)")
     parser.add_argument("--mean-run", type=int, default=8, help="mean run of consecutive pages (default 8)")
@@ -54,35 +61,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=10.0, help="transfer timeout in seconds")
     parser.add_argument(
-        "--inflight",
-        type=int,
-        default=1024,
-        help="descriptors in flight per peer (BackendConfig.max_inflight_per_peer)",
+        "--option",
+        type=_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a backend option (BackendConfig.options), e.g. max_inflight_per_peer=1024 for mooncake; repeatable",
     )
     parser.add_argument("--compare-raw", action="store_true", help="also time the raw engine call, same descriptors")
     parser.add_argument("--compare-uncoalesced", action="store_true", help="also time one descriptor per page")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
-def _engine(conn: Connection) -> object:
-    return getattr(getattr(conn.backend, "transport", None), "engine", None)
-
-
-def _raw_writer(conn: Connection) -> RawWrite | None:
-    """The backend engine's bare call (kvwire-mooncake's ``MooncakeEngine.raw_write``), if it has one."""
-    raw = getattr(_engine(conn), "raw_write", None)
-    return raw if callable(raw) else None
-
-
-def _engine_writer(conn: Connection) -> RawWrite | None:
-    """The backend engine's checked write, to send a plan kvwire did not coalesce."""
-    write = getattr(_engine(conn), "write", None)
-    return write if callable(write) else None
-
-
 class _Progress:
+    """A progress bar on a terminal; nothing in a log."""
+
     def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled, self.done = total, enabled, 0
+        self.total, self.done = total, 0
+        self.enabled = enabled and sys.stderr.isatty()
 
     def step(self, label: str) -> None:
         self.done += 1
@@ -105,6 +101,22 @@ def _check_arguments(args: argparse.Namespace) -> None:
     if args.timeout <= 0:
         raise ConfigError(f"--timeout must be > 0, got {args.timeout}")
     get_preset(args.preset)
+    registry = default_registry()
+    reaching = sorted(i.name for i in registry.supporting({"interprocess"}))
+    if args.backend is None:
+        raise ConfigError(f"--backend: choose a backend; installed ones that reach other processes: {reaching}")
+    info = registry.get(args.backend)
+    if "interprocess" not in info.capabilities:
+        raise ConfigError(
+            f"--backend {args.backend}: the bench sends to a decode process, and backend {args.backend!r} only "
+            f"reaches endpoints of its own process (it does not declare 'interprocess'); use one of {reaching}"
+        )
+    wanted = [flag for flag, on in (("--compare-raw", args.compare_raw), ("--compare-uncoalesced",
+              args.compare_uncoalesced)) if on]
+    if wanted and "raw_write" not in info.capabilities:
+        raise ConfigError(
+            f"{' and '.join(wanted)}: backend {args.backend!r} offers no raw engine call (capability 'raw_write')"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,11 +124,7 @@ def run(args: argparse.Namespace) -> int:
     preset = get_preset(args.preset)
     pages_per_request = -(-args.tokens // preset.page_tokens)
     pool_pages = 4 * pages_per_request + 64  # room for the runs and the 1-3 free pages after each
-    config = BackendConfig(
-        timeout_s=args.timeout,
-        max_inflight_per_peer=args.inflight,
-        max_descriptors_per_call=min(1024, args.inflight),
-    )
+    config = BackendConfig(timeout_s=args.timeout, process_settings=True, options=dict(args.option))
     decode_args = {
         "backend": args.backend,
         "preset": preset.name,
@@ -127,13 +135,13 @@ def run(args: argparse.Namespace) -> int:
     }
     decode = ChildProcess("kvwire.benchmark.decode", [json.dumps(decode_args)], what="decode process")
     try:
-        endpoint, peer_layout = parse_peer_description(decode.read())
-        pool = Pool(preset, pool_pages, decode_side=False)
+        peer = PeerDescription.from_dict(decode.read())
+        pool = allocate(preset.entries(decode_side=False), pool_pages, preset.page_bytes, backing="auto")
         pool.fill_random(args.seed)
         with connect(args.backend, config) as conn:
             conn.register_kv_buffers(pool.layout)
-            conn.add_peer(endpoint, peer_layout)
-            result = _measure(args, conn, pool, endpoint, peer_layout, pages_per_request, decode)
+            conn.add_peer(peer.endpoint, peer.layout)
+            result = _measure(args, conn, pool, peer.endpoint, peer.layout, pages_per_request, decode)
     finally:
         decode.close()
     result.update(backend=args.backend, preset=preset.name, backing=pool.backing)
@@ -141,13 +149,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         _print_table(result)
-    return 0 if result["verified"] else 1
+    return 0 if result["verified"] and result["guards_unchanged"] else 1
 
 
 def _measure(
     args: argparse.Namespace,
     conn: Connection,
-    pool: Pool,
+    pool: KVMemory,
     endpoint: str,
     peer_layout: KVLayout,
     pages_per_request: int,
@@ -155,18 +163,12 @@ def _measure(
 ) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed + 7)
     ptrs = [b.base for b in peer_layout.buffers]
-    split = is_split(peer_layout)
-    raw = _raw_writer(conn) if args.compare_raw else None
-    if args.compare_raw and raw is None:
-        raise ConfigError(f"--compare-raw: backend {args.backend!r} exposes no raw engine call")
-    engine_write = _engine_writer(conn) if args.compare_uncoalesced else None
-    if args.compare_uncoalesced and engine_write is None:
-        raise ConfigError(f"--compare-uncoalesced: backend {args.backend!r} exposes no engine write")
+    split = peer_layout.is_split
     latencies: list[float] = []
     seconds_by_mode = {"raw": 0.0, "uncoalesced": 0.0}
     paired: dict[str, list[float]] = {"raw": [], "uncoalesced": []}  # per request: other mode's time / kvwire's
     total = 0
-    verified = True
+    verified = guards = True
     before = after = 0
     progress = _Progress(args.requests, not args.json)
     one = np.array([0], np.int32)
@@ -185,51 +187,50 @@ def _measure(
         modes: list[tuple[str, Callable[[], object]]] = [
             ("kvwire", partial(conn.send_kvcache, endpoint, src, ptrs, dst, None, None, dev)),
         ]
-        if raw is not None:
-            modes.append(("raw", partial(raw, endpoint, plan.src, plan.dst, plan.length)))
-        if engine_write is not None:
+        if args.compare_raw:
+            modes.append(("raw", partial(conn.raw_write, endpoint, plan)))
+        if args.compare_uncoalesced:
             flat = plan_transfer(pool.layout, peer_layout, src, ptrs, dst, None, dev, coalesce=False)
-            modes.append(("uncoalesced", partial(engine_write, endpoint, flat.src, flat.dst, flat.length)))
-        # Identical bytes to identical places in every mode; the order rotates per request so that
-        # drift in the machine's load falls on every mode alike.
-        ok = False
+            modes.append(("uncoalesced", partial(conn.raw_write, endpoint, flat)))
+        # Identical bytes to identical places in every mode, each after the same scramble; the order
+        # rotates per request so that drift in the machine's load falls on every mode alike.
         timings: dict[str, float] = {}
         for name, call in modes[i % len(modes) :] + modes[: i % len(modes)]:
-            if name == "kvwire":  # fresh random bytes in the target pages: only kvwire's own write can pass
-                decode.request({"cmd": "scramble", **pages})
+            decode.request({"cmd": "scramble", **pages})
             start = time.perf_counter()
             outcome = call()
             elapsed = time.perf_counter() - start
-            if name == "kvwire":
-                assert isinstance(outcome, int)
-                latencies.append(elapsed)
-                total += outcome
-                expected = digest(pool.views, src.astype(np.int64))
-                ok = bool(decode.request({"cmd": "verify", "digest": expected, **pages})["ok"])
-            else:
-                seconds_by_mode[name] += elapsed
             timings[name] = elapsed
+            if name != "kvwire":
+                seconds_by_mode[name] += elapsed
+                continue
+            assert isinstance(outcome, int)
+            latencies.append(elapsed)
+            total += outcome
+            answer = decode.request({"cmd": "verify", "digest": pool.digest(src.astype(np.int64)), **pages})
+            verified = verified and bool(answer["ok"])
+            guards = guards and bool(answer["guards_ok"])
         for name in paired.keys() & timings.keys():
             paired[name].append(timings[name] / timings["kvwire"])
-        verified = verified and ok
-        progress.step("verified" if ok else "MISMATCH")
+        progress.step("verified" if verified and guards else "MISMATCH")
     seconds = sum(latencies)
     result: dict[str, Any] = {
         "requests": args.requests,
         "tokens": args.tokens,
         "bytes": total,
         "verified": verified,
+        "guards_unchanged": guards,
         "gbps": round(total / seconds / 1e9, 3) if seconds else 0.0,
         "p50_ms": round(_percentile(latencies, 50) * 1e3, 2),
         "p99_ms": round(_percentile(latencies, 99) * 1e3, 2),
         "descriptors_before": before // args.requests,
         "descriptors_after": after // args.requests,
     }
-    if raw is not None:
+    if args.compare_raw:
         result["raw_gbps"] = round(total / seconds_by_mode["raw"] / 1e9, 3)
         # Paired per request (the same bytes, back to back), then the median: robust to a noisy machine.
         result["ratio"] = round(statistics.median(paired["raw"]), 3)
-    if engine_write is not None:
+    if args.compare_uncoalesced:
         result["uncoalesced_gbps"] = round(total / seconds_by_mode["uncoalesced"] / 1e9, 3)
         result["coalescing_speedup"] = round(statistics.median(paired["uncoalesced"]), 2)
     return result
@@ -240,7 +241,11 @@ def _print_table(r: dict[str, Any]) -> None:
         ("backend", f"{r['backend']} ({r['preset']}, pools: {r['backing']})"),
         ("requests", f"{r['requests']} x {r['tokens']} tokens"),
         ("bytes", f"{r['bytes'] / 2**30:.2f} GiB"),
-        ("verified", "every byte" if r["verified"] else "MISMATCH"),
+        (
+            "verified",
+            ("target pages by digest" if r["verified"] else "MISMATCH in target pages")
+            + (", guard pages unchanged" if r["guards_unchanged"] else ", GUARD PAGES CHANGED"),
+        ),
         ("throughput", f"{r['gbps']:.3f} GB/s"),
         ("latency p50 / p99", f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f} ms"),
         ("descriptors/request", f"{r['descriptors_before']} pages -> {r['descriptors_after']} after coalescing"),

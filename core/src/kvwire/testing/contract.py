@@ -13,10 +13,11 @@ import pytest
 
 from kvwire.capabilities import FEATURES
 from kvwire.errors import InvalidTransferError, UnsupportedFeatureError
-from kvwire.spec import known_versions
-from kvwire.testing.harness import ContractHarness, Pair, fragmented_pages
+from kvwire.spec import PARAMETER_FEATURES, known_versions
+from kvwire.testing.harness import ContractHarness, Pair
 from kvwire.testing.receiver import LayoutSpec
 from kvwire.validator import validate_backend
+from kvwire.workload.fragment import fragmented_pages
 
 __all__ = [
     "kvwire_invalid_pair",
@@ -146,7 +147,7 @@ INVALID: dict[str, tuple[Callable[[Pair], dict[str, Any]], str]] = {
         "dst_layer_ids",
     ),
     "device-indices-without-device-buffers": (
-        lambda p: {"prefill": _i32(1), "dst_pages": _i32(1), "dst_device_pages": _i32(1)},
+        lambda p: {"prefill": _i32(1), "dst_pages": _i32(1), "dst_device_kv_indices": _i32(1)},
         "dst_device_kv_indices",
     ),
 }
@@ -166,11 +167,10 @@ def test_contract_invalid_input_leaves_destination_unchanged(
     """Bad input raises a typed error naming the argument; the destination is unchanged."""
     make, argument = INVALID[case]
     args = make(kvwire_invalid_pair)
-    feature = {"dst_layer_ids": "layer_ids", "dst_device_pages": "device_kv_indices"}
     expected: type[Exception] = InvalidTransferError
-    for key, name in feature.items():
-        if key in args and name not in kvwire_harness.capabilities:
-            expected, argument = UnsupportedFeatureError, name
+    for parameter, feature in PARAMETER_FEATURES.items():
+        if parameter in args and feature not in kvwire_harness.capabilities:
+            expected, argument = UnsupportedFeatureError, feature
     ptrs = args.pop("dst_kv_ptrs", kvwire_invalid_pair.dst_kv_ptrs)
     with pytest.raises(expected, match=argument):
         kvwire_invalid_pair.connection.send_kvcache(
@@ -180,6 +180,6 @@ def test_contract_invalid_input_leaves_destination_unchanged(
             args["dst_pages"],
             None,
             args.get("dst_layer_ids"),
-            args.get("dst_device_pages"),
+            args.get("dst_device_kv_indices"),
         )
     assert kvwire_invalid_pair.receiver.hashes() == kvwire_invalid_pair.untouched_hashes()

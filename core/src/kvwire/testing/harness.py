@@ -17,33 +17,11 @@ from kvwire.config import BackendConfig
 from kvwire.connection import Connection
 from kvwire.layout import KVLayout
 from kvwire.registry import connect, default_registry
-from kvwire.testing.receiver import (
-    InProcessReceiver,
-    LayoutSpec,
-    Receiver,
-    SubprocessReceiver,
-    allocate,
-    fill_random,
-    hashes,
-)
+from kvwire.testing.receiver import InProcessReceiver, LayoutSpec, Receiver, SubprocessReceiver, buffer_digests
+from kvwire.workload.fragment import fragmented_pages
+from kvwire.workload.memory import KVMemory
 
 __all__ = ["ContractHarness", "Pair", "expected_buffers", "fragmented_pages"]
-
-
-def fragmented_pages(rng: np.random.Generator, num_pages: int, count: int, mean_run: int = 3) -> NDArray[np.int32]:
-    """``count`` distinct page ids out of ``num_pages``: shuffled runs of random length (mean ``mean_run``)."""
-    if count > num_pages:
-        raise ValueError(f"count {count} exceeds num_pages {num_pages}")
-    starts = np.arange(0, num_pages, mean_run)
-    rng.shuffle(starts)
-    pages: dict[int, None] = {}  # ordered set
-    for start in starts.tolist():
-        run = int(rng.integers(1, 2 * mean_run))
-        pages.update(dict.fromkeys(range(start, min(start + run, num_pages))))
-        if len(pages) >= count:
-            break
-    rest = [p for p in rng.permutation(num_pages).tolist() if p not in pages]
-    return np.array((list(pages) + rest)[:count], dtype=np.int32)
 
 
 def expected_buffers(
@@ -69,9 +47,8 @@ def expected_buffers(
     for i, sbuf in enumerate(local.buffers):
         layer = sbuf.layer if dst_layer_ids is None else dst_layer_ids[local_layers.index(sbuf.layer)]
         pairs += [(i, j) for j, d in enumerate(peer.buffers) if d.layer == layer and d.role == sbuf.role]
-    split = len({b.memory for b in peer.buffers}) > 1  # the peer LAYOUT mixes kinds, not the request's targets
-    for i, j in pairs:
-        pages = dst_device_pages if split and peer.buffers[j].memory == "device" else dst_pages
+    for i, j in pairs:  # the peer LAYOUT decides the page ids (split or not), never the request's targets
+        pages = dst_device_pages if peer.is_split and peer.buffers[j].memory == "device" else dst_pages
         assert pages is not None
         for k in range(len(prefill)):
             out[j][int(pages[k])] = src[i][int(prefill[k])]
@@ -83,8 +60,7 @@ class Pair:
     """A connected sender (this process) and receiver, with the receiver's initial seed."""
 
     connection: Connection
-    src: list[NDArray[np.uint8]]
-    local: KVLayout
+    memory: KVMemory
     receiver: Receiver
     peer_spec: LayoutSpec
     peer_seed: int
@@ -110,10 +86,12 @@ class Pair:
             dst_device_pages,  # type: ignore[arg-type]
         )
 
-    def initial_peer(self) -> list[NDArray[np.uint8]]:
-        arrays, _ = allocate(self.peer_spec)
-        fill_random(arrays, self.peer_seed)
-        return arrays
+    @property
+    def local(self) -> KVLayout:
+        return self.memory.layout
+
+    def initial_peer(self) -> KVMemory:
+        return self.peer_spec.allocate(self.peer_seed)
 
     def expected_hashes(
         self,
@@ -122,11 +100,12 @@ class Pair:
         dst_layer_ids: Sequence[int] | None = None,
         dst_device_pages: NDArray[np.integer] | None = None,
     ) -> list[str]:
-        return hashes(
+        peer = self.initial_peer()
+        return buffer_digests(
             expected_buffers(
-                self.src,
+                self.memory.views,
                 self.local,
-                self.initial_peer(),
+                peer.views,
                 self.receiver.layout,
                 prefill,
                 dst_pages,
@@ -136,7 +115,7 @@ class Pair:
         )
 
     def untouched_hashes(self) -> list[str]:
-        return hashes(self.initial_peer())
+        return buffer_digests(self.initial_peer().views)
 
 
 class ContractHarness:
@@ -162,11 +141,10 @@ class ContractHarness:
             else InProcessReceiver(self.backend, peer_spec, peer_seed, self.config)
         )
         try:
-            src, local = allocate(local_spec)
-            fill_random(src, seed)
+            memory = local_spec.allocate(seed)
             with connect(self.backend, self.config) as conn:
-                conn.register_kv_buffers(local)
+                conn.register_kv_buffers(memory.layout)
                 conn.add_peer(receiver.endpoint, receiver.layout)
-                yield Pair(conn, src, local, receiver, peer_spec, peer_seed)
+                yield Pair(conn, memory, receiver, peer_spec, peer_seed)
         finally:
             receiver.close()

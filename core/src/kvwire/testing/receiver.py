@@ -1,14 +1,14 @@
 """The receiving (decode) side of a contract test, in this process or another one.
 
-A receiver allocates host buffers from a :class:`LayoutSpec`, fills them with
-seeded random bytes, registers them with the backend and reports sha256
-hashes of every buffer on request. In a subprocess it speaks JSON lines over
-stdin/stdout (``python -m kvwire.testing.serve``): no pickle on the wire.
+A receiver allocates buffers from a :class:`LayoutSpec`, fills them with
+seeded random bytes, registers them with the backend, publishes a
+:class:`kvwire.PeerDescription` and reports a digest of every buffer on
+request. In a subprocess it speaks JSON lines over stdin/stdout
+(``python -m kvwire.testing.serve``, :mod:`kvwire.control`): no pickle.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -18,10 +18,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.config import BackendConfig
-from kvwire.control import ChildProcess, read_command, reply
-from kvwire.layout import KVBuffer, KVLayout, MemoryKind, Role
+from kvwire.control import ChildProcess, reply, serve
+from kvwire.layout import KVLayout, MemoryKind, Role
+from kvwire.peer import PeerDescription
+from kvwire.workload.memory import KVMemory, allocate, digest
 
-__all__ = ["InProcessReceiver", "LayoutSpec", "Receiver", "SubprocessReceiver", "allocate", "fill_random"]
+__all__ = ["InProcessReceiver", "LayoutSpec", "Receiver", "SubprocessReceiver", "buffer_digests", "run_receiver"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,12 @@ class LayoutSpec:
             out += [(layer, role, "device") for layer in self.device_layers]
         return out
 
+    def allocate(self, seed: int) -> KVMemory:
+        """Host buffers of this shape, filled with random bytes from ``seed``."""
+        memory = allocate(self.entries(), self.num_pages, self.page_bytes)
+        memory.fill_random(seed)
+        return memory
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -63,25 +71,9 @@ class LayoutSpec:
         )
 
 
-def allocate(spec: LayoutSpec) -> tuple[list[NDArray[np.uint8]], KVLayout]:
-    """Buffers (pages x page_bytes, uint8) and the layout describing them."""
-    arrays = [np.empty((spec.num_pages, spec.page_bytes), np.uint8) for _ in spec.entries()]
-    buffers = tuple(
-        KVBuffer(int(a.ctypes.data), spec.page_bytes, spec.num_pages, layer, role, memory)
-        for a, (layer, role, memory) in zip(arrays, spec.entries())
-    )
-    return arrays, KVLayout(buffers)
-
-
-def fill_random(arrays: Sequence[NDArray[np.uint8]], seed: int) -> None:
-    """Fill every buffer with seeded random bytes (never zeros: a no-op transfer must show)."""
-    rng = np.random.default_rng(seed)
-    for a in arrays:
-        a[...] = rng.integers(0, 256, size=a.shape, dtype=np.uint8)
-
-
-def hashes(arrays: Sequence[NDArray[np.uint8]]) -> list[str]:
-    return [hashlib.sha256(a.tobytes()).hexdigest() for a in arrays]
+def buffer_digests(arrays: Sequence[NDArray[np.uint8]]) -> list[str]:
+    """One digest per buffer, in order (what :meth:`Receiver.hashes` reports)."""
+    return [digest([a]) for a in arrays]
 
 
 class Receiver(Protocol):
@@ -100,14 +92,14 @@ class InProcessReceiver:
     def __init__(self, backend: str, spec: LayoutSpec, seed: int, config: BackendConfig | None = None) -> None:
         from kvwire.registry import connect
 
-        self.arrays, self.layout = allocate(spec)
-        fill_random(self.arrays, seed)
+        self.memory = spec.allocate(seed)
+        self.layout = self.memory.layout
         self.connection = connect(backend, config)
         self.connection.register_kv_buffers(self.layout)
         self.endpoint = self.connection.endpoint()
 
     def hashes(self) -> list[str]:
-        return hashes(self.arrays)
+        return buffer_digests(self.memory.views)
 
     def close(self) -> None:
         self.connection.close()
@@ -127,12 +119,11 @@ class SubprocessReceiver:
             timeout_s=timeout_s,
         )
         try:
-            hello = self.child.read()
-            self.endpoint = cast(str, hello["endpoint"])
-            self.layout = KVLayout.from_dict(hello["layout"])
+            peer = PeerDescription.from_dict(self.child.read())
         except BaseException:
             self.child.close()
             raise
+        self.endpoint, self.layout = peer.endpoint, peer.layout
 
     @property
     def pid(self) -> int:
@@ -145,7 +136,7 @@ class SubprocessReceiver:
         self.child.close()
 
 
-def serve(backend: str, spec_json: str, seed: int, config_json: str = "{}") -> int:
+def run_receiver(backend: str, spec_json: str, seed: int, config_json: str = "{}") -> int:
     """Run a receiver for the parent process over stdin/stdout (``python -m kvwire.testing.serve``)."""
     try:
         config = BackendConfig.from_dict(json.loads(config_json))
@@ -153,15 +144,9 @@ def serve(backend: str, spec_json: str, seed: int, config_json: str = "{}") -> i
     except Exception as exc:
         reply({"error": f"{type(exc).__name__}: {exc}"})
         return 1
-    reply({"endpoint": receiver.endpoint, "layout": receiver.layout.to_dict()})
+    reply(PeerDescription(receiver.endpoint, receiver.layout).to_dict())
     try:
-        while (command := read_command()) is not None and command.get("cmd") != "quit":
-            if command.get("cmd") == "hashes":
-                reply({"hashes": receiver.hashes()})
-            else:
-                reply({"error": f"unknown command {command.get('cmd')!r}"})
+        serve({"hashes": lambda _: {"hashes": receiver.hashes()}})
     finally:
         receiver.close()
-    if command is not None:
-        reply({"ok": True})
     return 0

@@ -5,8 +5,8 @@
 
 import sys
 
-from kvwire.testing.receiver import serve
+from kvwire.testing.receiver import run_receiver
 
 if __name__ == "__main__":
     config = sys.argv[4] if len(sys.argv) > 4 else "{}"
-    sys.exit(serve(sys.argv[1], sys.argv[2], int(sys.argv[3]), config))
+    sys.exit(run_receiver(sys.argv[1], sys.argv[2], int(sys.argv[3]), config))

@@ -21,18 +21,13 @@ for torch_npu. None of this NPU path runs on this repository's CI machines.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
-from numpy.typing import NDArray
-
-import kvwire
-from kvwire import BackendConfig, BackendUnavailableError, ConfigError, KVLayout, UnsupportedFeatureError
+from kvwire import BackendConfig, BackendUnavailableError, ConfigError, TransportBackend
 from kvwire_ascend.runtime import npu_unavailable_reason
-from kvwire_mooncake.transport import KVTransport
+from kvwire_mooncake.transport import MooncakeTransport
 
 __all__ = ["AscendBackend"]
 
@@ -57,53 +52,18 @@ def _engine_factory(config: BackendConfig) -> Callable[[], Any] | None:
     return None  # the real Mooncake engine, with the Ascend protocol
 
 
-class AscendBackend:
+class AscendBackend(TransportBackend):
     """Mooncake's Ascend transport for NPU-resident KV caches; no split destinations."""
 
-    spec_version = "1.2"
-    capabilities = frozenset({"layer_ids", "mha", "mla", "host_memory", "device_memory"})
+    spec_version = "1.3"
+    capabilities = frozenset({"layer_ids", "mha", "mla", "host_memory", "device_memory", "interprocess"})
 
     @classmethod
     def availability(cls) -> str | None:
         return npu_unavailable_reason()
 
-    def __init__(self, config: BackendConfig) -> None:
+    def open_transport(self, config: BackendConfig) -> MooncakeTransport:
         factory = _engine_factory(config)
         protocol = "ascend" if config.protocol == "tcp" else config.protocol
-        self.transport = KVTransport(replace(config, protocol=protocol), engine_factory=factory)
-
-    @kvwire.hookimpl
-    def register_kv_buffers(self, layout: KVLayout) -> None:
-        self.transport.register(layout)
-
-    @kvwire.hookimpl
-    def endpoint(self) -> str:
-        return self.transport.engine.endpoint
-
-    @kvwire.hookimpl
-    def add_peer(self, session_id: str, layout: KVLayout) -> None:
-        self.transport.add_peer(session_id, layout)
-
-    @kvwire.hookimpl
-    def send_kvcache(
-        self,
-        session_id: str,
-        prefill_kv_indices: NDArray[np.int32],
-        dst_kv_ptrs: Sequence[int],
-        dst_kv_indices: NDArray[np.int32],
-        executor: Executor | None,
-        dst_layer_ids: Sequence[int] | None = None,
-        dst_device_kv_indices: NDArray[np.int32] | None = None,
-    ) -> int:
-        if dst_device_kv_indices is not None:  # also refused by kvwire.Connection; direct callers get it here
-            raise UnsupportedFeatureError(
-                "backend 'ascend' does not support split host/device destinations (dst_device_kv_indices); "
-                "nothing was sent. Use the 'hisparse' backend (pip install kvwire-hisparse)"
-            )
-        return self.transport.send(
-            session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, dst_layer_ids, dst_device_kv_indices
-        )
-
-    @kvwire.hookimpl
-    def close(self) -> None:
-        self.transport.close()
+        options = {k: v for k, v in config.options.items() if k != "engine"}  # ours, not the Mooncake engine's
+        return MooncakeTransport(replace(config, protocol=protocol, options=options), engine_factory=factory)

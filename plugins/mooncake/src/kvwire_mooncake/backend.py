@@ -1,27 +1,22 @@
 """``mooncake``: kvwire over Mooncake Transfer Engine (TCP by default, RDMA where NICs exist).
 
 The engine is imported when the backend is created, never when this module is
-imported, so ``kvwire check`` validates it on any machine. Address arithmetic
-is the core's; chunking, the in-flight bound, timeouts and error mapping are
-:class:`~kvwire_mooncake.engine.MooncakeEngine`'s.
+imported, so ``kvwire check`` validates it on any machine. The spec hooks are
+:class:`kvwire.TransportBackend`'s; this module only opens the transport.
 
-Options (``BackendConfig.options``): none yet; protocol, device and metadata
-server are ``BackendConfig`` fields (``protocol="rdma"``, ``device="mlx5_0"``,
-``metadata_server="http://host:8080/metadata"``).
+Options (``BackendConfig.options``, see :class:`~kvwire_mooncake.options.MooncakeOptions`):
+``max_descriptors_per_call``, ``max_inflight_per_peer``, and ``engine`` (a host's
+own initialised ``TransferEngine``, used instead of creating one). Protocol,
+device and metadata server are ``BackendConfig`` fields (``protocol="rdma"``,
+``device="mlx5_0"``, ``metadata_server="http://host:8080/metadata"``).
 """
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
-from concurrent.futures import Executor
 
-import numpy as np
-from numpy.typing import NDArray
-
-import kvwire
-from kvwire import BackendConfig, KVLayout
-from kvwire_mooncake.transport import KVTransport
+from kvwire import BackendConfig, TransportBackend
+from kvwire_mooncake.transport import MooncakeTransport
 
 __all__ = ["MooncakeBackend", "engine_availability"]
 
@@ -33,46 +28,17 @@ def engine_availability() -> str | None:
     return None
 
 
-class MooncakeBackend:
+class MooncakeBackend(TransportBackend):
     """Moves KV pages with Mooncake's ``batch_transfer_sync_write``."""
 
-    spec_version = "1.2"
-    capabilities = frozenset({"layer_ids", "mha", "mla", "host_memory", "device_memory"})
+    spec_version = "1.3"
+    capabilities = frozenset(
+        {"layer_ids", "mha", "mla", "host_memory", "device_memory", "interprocess", "raw_write"}
+    )
 
     @classmethod
     def availability(cls) -> str | None:
         return engine_availability()
 
-    def __init__(self, config: BackendConfig) -> None:
-        self.transport = KVTransport(config)
-
-    @kvwire.hookimpl
-    def register_kv_buffers(self, layout: KVLayout) -> None:
-        self.transport.register(layout)
-
-    @kvwire.hookimpl
-    def endpoint(self) -> str:
-        return self.transport.engine.endpoint
-
-    @kvwire.hookimpl
-    def add_peer(self, session_id: str, layout: KVLayout) -> None:
-        self.transport.add_peer(session_id, layout)
-
-    @kvwire.hookimpl
-    def send_kvcache(
-        self,
-        session_id: str,
-        prefill_kv_indices: NDArray[np.int32],
-        dst_kv_ptrs: Sequence[int],
-        dst_kv_indices: NDArray[np.int32],
-        executor: Executor | None,
-        dst_layer_ids: Sequence[int] | None = None,
-        dst_device_kv_indices: NDArray[np.int32] | None = None,
-    ) -> int:
-        return self.transport.send(
-            session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, dst_layer_ids, dst_device_kv_indices
-        )
-
-    @kvwire.hookimpl
-    def close(self) -> None:
-        self.transport.close()
+    def open_transport(self, config: BackendConfig) -> MooncakeTransport:
+        return MooncakeTransport(config)

@@ -1,74 +1,48 @@
-"""``KVTransport``: the Mooncake-backed send path, shared by composition.
+"""``MooncakeTransport``: kvwire's :class:`~kvwire.Transport` over a :class:`MooncakeEngine`.
 
-It owns one :class:`MooncakeEngine` and a :class:`kvwire.peers.LayoutBook`,
-and turns a ``send_kvcache`` call into one core plan and chunked engine
-writes. The ``mooncake`` and ``hisparse`` backends both delegate to it, so
-neither carries its own copy of the send path.
+The ``mooncake``, ``hisparse`` and ``ascend`` backends are
+:class:`kvwire.TransportBackend` subclasses that open this transport; the spec
+hooks, layouts and planning are the core base's, the engine's sharp edges are
+:class:`~kvwire_mooncake.engine.MooncakeEngine`'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-from numpy.typing import NDArray
-
-from kvwire import BackendConfig, KVLayout
-from kvwire.peers import LayoutBook
+from kvwire import BackendConfig, TransferPlan, Transport
 from kvwire_mooncake.engine import MooncakeEngine
+from kvwire_mooncake.raw import raw_write
 
-__all__ = ["KVTransport"]
+__all__ = ["MooncakeTransport"]
 
 
-class KVTransport:
-    """Local buffers, peer layouts and the engine; ``send`` plans with the core and writes."""
+class MooncakeTransport(Transport):
+    """Registers and writes through one :class:`MooncakeEngine`; offers the raw extension."""
 
     def __init__(self, config: BackendConfig, *, engine_factory: Callable[[], Any] | None = None) -> None:
-        self.config = config
         self.engine = MooncakeEngine(config, engine_factory=engine_factory)
-        self.layouts = LayoutBook()
 
-    def register(self, layout: KVLayout) -> None:
-        """Register every buffer of ``layout`` with the engine, replacing a previous layout.
+    @property
+    def endpoint(self) -> str:
+        return self.engine.endpoint
 
-        All or nothing: if one buffer cannot be registered, those registered so far are
-        unregistered again and no layout is recorded (the previous one is already gone).
-        """
-        if self.layouts.local is not None:
-            self.engine.unregister_all()
-            self.layouts.register(None)
-        done: list[int] = []
-        try:
-            for buf in layout.buffers:
-                self.engine.register(buf.base, buf.nbytes)
-                done.append(buf.base)
-        except BaseException:
-            for base in done:
-                self.engine.unregister(base)
-            raise
-        self.layouts.register(layout)
+    def register_memory(self, base: int, nbytes: int) -> None:
+        self.engine.register(base, nbytes)
 
-    def add_peer(self, session_id: str, layout: KVLayout) -> None:
-        self.layouts.add_peer(session_id, layout)
+    def unregister_memory(self, base: int) -> None:
+        self.engine.unregister(base)
 
-    def send(
-        self,
-        session_id: str,
-        prefill_kv_indices: NDArray[np.int32],
-        dst_kv_ptrs: Sequence[int],
-        dst_kv_indices: NDArray[np.int32],
-        dst_layer_ids: Sequence[int] | None,
-        dst_device_kv_indices: NDArray[np.int32] | None,
-    ) -> int:
-        """Plan (validating both layouts), then write (checking local sources); returns the bytes moved."""
-        plan = self.layouts.plan(
-            session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, dst_layer_ids, dst_device_kv_indices
-        )
-        if len(plan):
-            self.engine.write(session_id, plan.src, plan.dst, plan.length)  # checks local sources first
-        return plan.nbytes
+    def write(self, session_id: str, plan: TransferPlan) -> None:
+        self.engine.write(session_id, plan.src, plan.dst, plan.length)  # checks local sources first
+
+    def raw_write(self, session_id: str, plan: TransferPlan) -> None:
+        """The bare engine call on the plan's arrays (the ``raw_write`` extension)."""
+        raw_write(self.engine, session_id, plan.src, plan.dst, plan.length)
+
+    def forget_peer(self, session_id: str) -> None:
+        self.engine.forget_peer(session_id)
 
     def close(self) -> None:
         self.engine.close()
-        self.layouts.clear()

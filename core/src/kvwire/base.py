@@ -1,0 +1,222 @@
+"""``TransportBackend``: the spec hooks implemented once, over a transport's engine-facing operations.
+
+A backend built on it supplies a :class:`Transport` (register memory, write one
+plan, its endpoint, close) and declares its own ``spec_version`` and
+``capabilities``; the base does the rest the same way for every backend: the
+local and peer layouts, the refusal of arguments for features the backend does
+not declare, planning (with every bounds check) through the core planner, and
+all-or-nothing registration.
+
+Inheritance is what broke sglang (#33523): an override silently lost a
+parameter. Here every backend class is validated when it loads, inherited hooks
+included, so a subclass of this base cannot drift unnoticed; and a spec change
+is made once, here, instead of in every backend.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from contextlib import suppress
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvwire.capabilities import FEATURE_DISTRIBUTIONS
+from kvwire.config import BackendConfig
+from kvwire.errors import InvalidTransferError, KvwireError, UnsupportedFeatureError
+from kvwire.layout import KVLayout
+from kvwire.markers import hookimpl
+from kvwire.planning import TransferPlan, TransferRequest
+
+__all__ = ["RawWriter", "Transport", "TransportBackend"]
+
+
+class Transport(ABC):
+    """The engine-facing operations a :class:`TransportBackend` drives.
+
+    The base calls them only with checked input: ``register_memory`` with a
+    layout buffer's range, ``write`` with a non-empty plan whose every range lies
+    inside the local layout and the peer's published layout.
+    """
+
+    @property
+    @abstractmethod
+    def endpoint(self) -> str:
+        """The id peers pass as ``session_id`` to reach this transport."""
+
+    @abstractmethod
+    def register_memory(self, base: int, nbytes: int) -> None:
+        """Make ``nbytes`` at ``base`` a source or destination of transfers."""
+
+    @abstractmethod
+    def unregister_memory(self, base: int) -> None:
+        """Undo :meth:`register_memory` of the range starting at ``base``."""
+
+    @abstractmethod
+    def write(self, session_id: str, plan: TransferPlan) -> None:
+        """Write every descriptor of ``plan`` into the peer; raise a :class:`kvwire.TransferError` on failure."""
+
+    def add_peer(self, session_id: str, layout: KVLayout) -> None:  # noqa: B027 - optional, no-op by default
+        """A peer published ``layout`` (optional: a transport that needs the peer's layout keeps it)."""
+
+    def forget_peer(self, session_id: str) -> None:  # noqa: B027 - optional, no-op by default
+        """Release what the transport holds for a peer that is gone (optional)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the engine; idempotent."""
+
+
+@runtime_checkable
+class RawWriter(Protocol):
+    """The optional raw extension: the bare engine call on a plan, without kvwire's checks.
+
+    A backend that offers it declares the ``raw_write`` capability; benchmarks
+    reach it through :meth:`kvwire.Connection.raw_write` to compare kvwire's
+    send with the engine call it wraps, on identical descriptors.
+    """
+
+    def raw_write(self, session_id: str, plan: TransferPlan) -> None: ...
+
+
+class TransportBackend(ABC):
+    """A kvwire backend made of a :class:`Transport`; subclasses implement :meth:`open_transport`.
+
+    Subclasses declare ``spec_version`` and ``capabilities`` like any backend;
+    the validator checks each subclass on its own, inherited hooks included.
+    """
+
+    def __init__(self, config: BackendConfig) -> None:
+        self.config = config
+        self.transport = self.open_transport(config)
+        self._lock = threading.Lock()
+        self._local: KVLayout | None = None
+        self._peers: dict[str, KVLayout] = {}
+
+    @abstractmethod
+    def open_transport(self, config: BackendConfig) -> Transport:
+        """Create the transport (heavy engine imports belong here, not at module import)."""
+
+    # -- spec hooks -----------------------------------------------------------
+
+    @hookimpl
+    def register_kv_buffers(self, layout: KVLayout) -> None:
+        """Register every buffer of ``layout``, replacing the previous layout; all or nothing."""
+        with self._lock:
+            previous, self._local = self._local, None
+        if previous is not None:
+            self._unregister([b.base for b in previous.buffers])
+        done: list[int] = []
+        try:
+            for buf in layout.buffers:
+                self.transport.register_memory(buf.base, buf.nbytes)
+                done.append(buf.base)
+        except BaseException:
+            with suppress(KvwireError):
+                self._unregister(done)
+            raise
+        with self._lock:
+            self._local = layout
+
+    @hookimpl
+    def endpoint(self) -> str:
+        return self.transport.endpoint
+
+    @hookimpl
+    def add_peer(self, session_id: str, layout: KVLayout) -> None:
+        self.transport.add_peer(session_id, layout)
+        with self._lock:
+            self._peers[session_id] = layout
+
+    @hookimpl
+    def send_kvcache(
+        self,
+        session_id: str,
+        prefill_kv_indices: NDArray[np.int32],
+        dst_kv_ptrs: Sequence[int],
+        dst_kv_indices: NDArray[np.int32],
+        executor: Executor | None,
+        dst_layer_ids: Sequence[int] | None = None,
+        dst_device_kv_indices: NDArray[np.int32] | None = None,
+        dst_kv_item_len: int | None = None,
+        dst_attn_tp_size: int | None = None,
+    ) -> int:
+        request = TransferRequest(
+            prefill_kv_indices,
+            dst_kv_ptrs,
+            dst_kv_indices,
+            dst_layer_ids,
+            dst_device_kv_indices,
+            dst_kv_item_len,
+            dst_attn_tp_size,
+        )
+        self._refuse_unsupported(request)
+        local, peer = self._layouts(session_id)
+        plan = request.plan(local, peer)
+        if len(plan):
+            self.transport.write(session_id, plan)
+        return plan.nbytes
+
+    @hookimpl
+    def close(self) -> None:
+        try:
+            self.transport.close()
+        finally:
+            with self._lock:
+                self._local = None
+                self._peers.clear()
+
+    # -- extension ------------------------------------------------------------
+
+    def raw_write(self, session_id: str, plan: TransferPlan) -> None:
+        """The transport's bare engine call on ``plan`` (the ``raw_write`` capability); no checks."""
+        if not isinstance(self.transport, RawWriter):
+            raise UnsupportedFeatureError(f"{type(self).__name__}'s transport offers no raw_write")
+        self.transport.raw_write(session_id, plan)
+
+    # -- helpers --------------------------------------------------------------
+
+    def _refuse_unsupported(self, request: TransferRequest) -> None:
+        """Direct callers (not through a Connection) get the same refusal the Connection gives."""
+        lacking = sorted(request.features() - type(self).capabilities_declared())
+        if lacking:
+            params = ", ".join(request.parameters_for(lacking))
+            providers = sorted({FEATURE_DISTRIBUTIONS[f] for f in lacking if f in FEATURE_DISTRIBUTIONS})
+            hint = f". Use a backend that supports it (pip install {' '.join(providers)})" if providers else ""
+            raise UnsupportedFeatureError(
+                f"backend {type(self).__name__} does not support {', '.join(map(repr, lacking))} "
+                f"(passed {params}); nothing was sent{hint}"
+            )
+
+    @classmethod
+    def capabilities_declared(cls) -> frozenset[str]:
+        """The class's ``capabilities`` (empty when it declares none or something that is not a set)."""
+        raw: object = getattr(cls, "capabilities", frozenset())
+        return frozenset(str(c) for c in raw) if isinstance(raw, (set, frozenset)) else frozenset()
+
+    def _layouts(self, session_id: str) -> tuple[KVLayout, KVLayout]:
+        with self._lock:
+            local, peer = self._local, self._peers.get(session_id)
+            known = ", ".join(sorted(self._peers)) or "none"
+        if local is None:
+            raise InvalidTransferError("register_kv_buffers() must be called before send_kvcache()")
+        if peer is None:
+            raise InvalidTransferError(
+                f"session_id {session_id!r} is unknown: call add_peer(session_id, layout) first (known: {known})"
+            )
+        return local, peer
+
+    def _unregister(self, bases: Sequence[int]) -> None:
+        """Unregister every range in ``bases``; raise the first failure after trying all."""
+        first: KvwireError | None = None
+        for base in bases:
+            try:
+                self.transport.unregister_memory(base)
+            except KvwireError as exc:
+                first = first or exc
+        if first is not None:
+            raise first

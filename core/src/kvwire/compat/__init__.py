@@ -1,0 +1,1 @@
+"""Adapters that let a host which has not adopted kvwire's API call it with its own signatures."""

@@ -1,0 +1,125 @@
+"""TransportBackend: the spec hooks written once, over a transport; every guard of the base has a test."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvwire
+from kvwire import BackendConfig, InvalidTransferError, KVBuffer, KVLayout, TransferPlan, Transport
+from kvwire.backends.local import LocalBackend
+
+IDX = np.array([1, 2], np.int32)
+
+
+def _pair(pages: int = 8) -> tuple[LocalBackend, LocalBackend, np.ndarray, np.ndarray]:
+    src, dst = np.random.default_rng(0).integers(0, 256, (2, pages, 64), dtype=np.uint8)
+    sender, receiver = LocalBackend(BackendConfig()), LocalBackend(BackendConfig())
+    sender.register_kv_buffers(KVLayout.mla([src]))
+    receiver.register_kv_buffers(KVLayout.mla([dst]))
+    return sender, receiver, src, dst
+
+
+def test_send_needs_a_local_layout_first() -> None:
+    backend = LocalBackend(BackendConfig())
+    backend.add_peer("p", KVLayout((KVBuffer(1 << 20, 64, 8, 0, "kv"),)))
+    with pytest.raises(InvalidTransferError, match=r"^register_kv_buffers\(\) must be called before send_kvcache\(\)$"):
+        backend.send_kvcache("p", IDX, [1 << 20], IDX, None)
+
+
+def test_send_needs_the_peer_layout_first() -> None:
+    sender, _, _, dst = _pair()
+    sender.add_peer("p", KVLayout.mla([dst]))
+    with pytest.raises(InvalidTransferError) as exc:
+        sender.send_kvcache("q", IDX, [int(dst.ctypes.data)], IDX, None)
+    assert str(exc.value) == "session_id 'q' is unknown: call add_peer(session_id, layout) first (known: p)"
+
+
+def test_bytes_move_and_close_forgets_layouts() -> None:
+    sender, receiver, src, dst = _pair()
+    endpoint = receiver.endpoint()
+    sender.add_peer(endpoint, KVLayout.mla([dst]))
+    before = dst.copy()
+    assert sender.send_kvcache(endpoint, IDX, [int(dst.ctypes.data)], np.array([5, 6], np.int32), None) == 128
+    assert (dst[5:7] == src[1:3]).all()
+    assert (np.delete(dst, [5, 6], axis=0) == np.delete(before, [5, 6], axis=0)).all()
+    sender.close()
+    with pytest.raises(InvalidTransferError, match="register_kv_buffers"):
+        sender.send_kvcache(endpoint, IDX, [int(dst.ctypes.data)], IDX, None)
+
+
+def test_peer_description_larger_than_its_registered_memory_is_refused() -> None:
+    """The local backend writes only inside memory the peer registered, whatever add_peer was told."""
+    sender, receiver, _, dst = _pair(pages=8)
+    endpoint = receiver.endpoint()
+    base = int(dst.ctypes.data)
+    sender.add_peer(endpoint, KVLayout((KVBuffer(base, 64, 16, 0, "kv"),)))  # claims 16 pages, registered 8
+    before = dst.copy()
+    with pytest.raises(InvalidTransferError) as exc:
+        sender.send_kvcache(endpoint, IDX, [base], np.array([7, 8], np.int32), None)
+    assert str(exc.value) == (
+        f"dst[0] = {base + 7 * 64:#x} with length[0] = 128 is not inside registered memory of peer {endpoint!r}; "
+        f"nearest registered range [{base:#x}, {base + 8 * 64:#x})"
+    )
+    assert (dst == before).all()
+
+
+def test_direct_call_refuses_features_the_backend_does_not_declare() -> None:
+    class NoLayerIds(LocalBackend):
+        capabilities = frozenset({"mla", "host_memory"})
+
+    sender = NoLayerIds(BackendConfig())
+    with pytest.raises(kvwire.UnsupportedFeatureError) as exc:
+        sender.send_kvcache("p", IDX, [1], IDX, None, [0])
+    assert str(exc.value) == "backend NoLayerIds does not support 'layer_ids' (passed dst_layer_ids); nothing was sent"
+
+
+class _Recording(Transport):
+    """A transport that fails to register the buffer at ``fail_at``."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.fail_at = fail_at
+        self.registered: list[int] = []
+
+    @property
+    def endpoint(self) -> str:
+        return "rec://1"
+
+    def register_memory(self, base: int, nbytes: int) -> None:
+        if base == self.fail_at:
+            raise kvwire.TransferError("refused")
+        self.registered.append(base)
+
+    def unregister_memory(self, base: int) -> None:
+        self.registered.remove(base)
+
+    def write(self, session_id: str, plan: TransferPlan) -> None:
+        raise AssertionError("not reached")
+
+    def close(self) -> None:
+        pass
+
+
+def test_registration_is_all_or_nothing() -> None:
+    transport = _Recording(fail_at=3 << 12)
+
+    class Backend(LocalBackend):
+        def open_transport(self, config: BackendConfig) -> Transport:
+            return transport
+
+    backend = Backend(BackendConfig())
+    first = KVLayout((KVBuffer(1 << 12, 64, 8, 0, "kv"), KVBuffer(2 << 12, 64, 8, 1, "kv")))
+    backend.register_kv_buffers(first)
+    assert transport.registered == [1 << 12, 2 << 12]
+    broken = KVLayout((KVBuffer(5 << 12, 64, 8, 0, "kv"), KVBuffer(3 << 12, 64, 8, 1, "kv")))
+    with pytest.raises(kvwire.TransferError, match="refused"):
+        backend.register_kv_buffers(broken)
+    assert transport.registered == []  # the old layout was unregistered, the new one rolled back
+    with pytest.raises(InvalidTransferError, match="register_kv_buffers"):
+        backend.send_kvcache("p", IDX, [1], IDX, None)
+
+
+def test_raw_write_needs_a_transport_that_offers_it() -> None:
+    backend = LocalBackend(BackendConfig())
+    with pytest.raises(kvwire.UnsupportedFeatureError, match="LocalBackend's transport offers no raw_write"):
+        backend.raw_write("p", TransferPlan.empty())
