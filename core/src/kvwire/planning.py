@@ -37,282 +37,24 @@ with no Python loop per layer or per page.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.errors import InvalidTransferError
-from kvwire.layout import KVBuffer, KVLayout, MemoryKind
+from kvwire.layout import KVLayout
+from kvwire.pairing import Group, Namer, Pairing, check_shape, local_name, pairing_of, peer_name
+from kvwire.plan import TransferPlan, frozen
 from kvwire.spec import PARAMETER_FEATURES
 
 __all__ = ["TransferPlan", "TransferRequest", "check_peer_shape", "plan_transfer"]
 
 _I64 = np.int64
-_EMPTY_I64: Final[NDArray[np.int64]] = np.zeros(0, dtype=np.int64)
-_EMPTY_I64.setflags(write=False)
-
-
 _max = np.maximum.reduce
 _min = np.minimum.reduce
-
-
-def _frozen(a: NDArray[np.int64]) -> NDArray[np.int64]:
-    a.setflags(write=False)
-    return a
-
-
-@dataclass(frozen=True, eq=False)
-class TransferPlan:
-    """Flat descriptors: copy ``length[i]`` bytes from address ``src[i]`` to address ``dst[i]``.
-
-    The arrays are int64 and read-only. ``descriptors_before`` is how many
-    descriptors there would be if every page of every buffer pair were its own
-    (the coalescing ratio is ``descriptors_before / len(plan)``). Equality is
-    identity (the fields are arrays).
-    """
-
-    src: NDArray[np.int64]
-    dst: NDArray[np.int64]
-    length: NDArray[np.int64]
-    descriptors_before: int
-
-    def __post_init__(self) -> None:
-        n = self.src.shape
-        if self.src.ndim != 1 or self.dst.shape != n or self.length.shape != n:
-            raise InvalidTransferError(
-                f"TransferPlan: src, dst and length must be 1-D of equal length, got shapes "
-                f"{self.src.shape}, {self.dst.shape}, {self.length.shape}"
-            )
-
-    def __len__(self) -> int:
-        """Number of descriptors."""
-        return int(self.src.shape[0])
-
-    @property
-    def nbytes(self) -> int:
-        """Total bytes the plan moves."""
-        return int(self.length.sum())
-
-    def chunks(self, max_descriptors: int) -> Iterator[TransferPlan]:
-        """Consecutive slices of at most ``max_descriptors`` descriptors (views, no copies).
-
-        For engines that cap the batch size. An empty plan yields no chunk.
-        Each chunk keeps the whole plan's ``descriptors_before``. A bad
-        ``max_descriptors`` raises here, not when the first chunk is taken.
-        """
-        if isinstance(max_descriptors, bool) or not isinstance(max_descriptors, (int, np.integer)):
-            raise InvalidTransferError(
-                f"max_descriptors must be an int, got {type(max_descriptors).__name__} {max_descriptors!r}"
-            )
-        if max_descriptors < 1:
-            raise InvalidTransferError(f"max_descriptors must be >= 1, got {max_descriptors}")
-        step = int(max_descriptors)
-        return (  # checked above, now, not on the first next()
-            TransferPlan(
-                self.src[i : i + step], self.dst[i : i + step], self.length[i : i + step], self.descriptors_before
-            )
-            for i in range(0, len(self), step)
-        )
-
-    @classmethod
-    def empty(cls) -> TransferPlan:
-        """A plan with no descriptors (an empty request is valid)."""
-        return cls(_EMPTY_I64, _EMPTY_I64, _EMPTY_I64, 0)
-
-
-# -- buffer pairing (per layout pair, cached) --------------------------------
-
-
-_Namer = Callable[[int, KVBuffer], str]
-
-
-def _local_name(i: int, buf: KVBuffer) -> str:
-    return f"local buffer {i} (layer {buf.layer}, {buf.role})"
-
-
-def _peer_name(i: int, buf: KVBuffer) -> str:
-    return f"peer buffer {i} (layer {buf.layer}, {buf.role}, {buf.memory})"
-
-
-def _col(values: Sequence[int]) -> NDArray[np.int64]:
-    return _frozen(np.array(values, dtype=_I64).reshape(-1, 1))
-
-
-@dataclass(frozen=True, eq=False)
-class _Group:
-    """The buffer pairs that share one destination index set.
-
-    Every pair when the peer layout has one memory kind; else (a split layout)
-    the pairs whose target has memory kind ``memory``.
-    """
-
-    memory: MemoryKind  # of every target in the group
-    device_ids: bool  # destination ids come from dst_device_kv_indices, not dst_kv_indices
-    index_name: str  # the argument holding this group's destination page ids
-    pair_pos: NDArray[np.int64]  # positions of these pairs in the global pair order, ascending
-    contiguous: bool  # pair_pos is a contiguous range: write a block, no scatter
-    src_ids: tuple[int, ...]  # local buffer index per pair
-    dst_ids: tuple[int, ...]  # peer buffer index per pair
-    src_base: NDArray[np.int64]  # (P, 1) columns, for broadcasting
-    dst_base: NDArray[np.int64]
-    page_bytes: NDArray[np.int64]  # of the sources (= of the targets, checked)
-    uniform_page_bytes: int  # the common page size, or 0 when they differ
-    src_limit: int  # fewest pages among the sources
-    dst_limit: int  # fewest pages among the targets: every dst id must be below it
-
-    @property
-    def num_pairs(self) -> int:
-        return len(self.src_ids)
-
-
-@dataclass(frozen=True, eq=False)
-class _Pairing:
-    """Everything :func:`plan_transfer` derives from (local, peer, dst_layer_ids) alone."""
-
-    local: KVLayout
-    peer: KVLayout
-    groups: tuple[_Group, ...]  # one group; or, split layout, the host group and/or the device group
-    pair_group: NDArray[np.int64]  # group number of each pair, in global pair order
-    num_pairs: int
-    src_limit: int  # fewest pages among local buffers: every prefill id must be below it
-    peer_bases: list[int]
-    split: bool  # the peer layout has host and device buffers: two page-id spaces
-    device_target: int | None  # split layout: the first targeted device buffer (None: none targeted)
-
-
-def _check_layer_ids(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int]) -> dict[int, int]:
-    if isinstance(dst_layer_ids, (str, bytes)) or not hasattr(dst_layer_ids, "__len__"):
-        raise InvalidTransferError(
-            f"dst_layer_ids must be a sequence of ints or None, got {type(dst_layer_ids).__name__}"
-        )
-    ids = list(dst_layer_ids)
-    if len(ids) != len(local.layers):
-        raise InvalidTransferError(
-            f"dst_layer_ids has {len(ids)} entries, expected {len(local.layers)} "
-            f"(one per local layer {list(local.layers)})"
-        )
-    peer_layers = set(peer.layers)
-    seen: dict[int, int] = {}
-    for i, d in enumerate(ids):
-        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
-            raise InvalidTransferError(f"dst_layer_ids[{i}] = {d!r} must be an int, got {type(d).__name__}")
-        layer = int(d)
-        if layer in seen:
-            raise InvalidTransferError(
-                f"dst_layer_ids[{i}] = {layer} is a duplicate of dst_layer_ids[{seen[layer]}]: "
-                "two local layers cannot land on one peer layer"
-            )
-        seen[layer] = i
-        if layer not in peer_layers:
-            raise InvalidTransferError(
-                f"dst_layer_ids[{i}] = {layer} is not a layer of the peer layout (peer layers: {sorted(peer_layers)})"
-            )
-    return {layer: int(ids[i]) for i, layer in enumerate(local.layers)}
-
-
-def _build_pairing(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int] | None) -> _Pairing:
-    layer_map = None if dst_layer_ids is None else _check_layer_ids(local, peer, dst_layer_ids)
-    targets: dict[tuple[int, str], list[int]] = {}
-    for j, buf in enumerate(peer.buffers):
-        targets.setdefault((buf.layer, buf.role), []).append(j)
-    pairs: list[tuple[int, int]] = []
-    for i, buf in enumerate(local.buffers):
-        layer = buf.layer if layer_map is None else layer_map[buf.layer]
-        found = targets.get((layer, buf.role))
-        if not found:
-            mapped = "" if layer_map is None else f" (mapped by dst_layer_ids from layer {buf.layer})"
-            raise InvalidTransferError(
-                f"{_local_name(i, buf)} has no target: the peer layout has no buffer with layer "
-                f"{layer}{mapped} and role {buf.role!r}"
-            )
-        for j in found:
-            dst = peer.buffers[j]
-            if dst.page_bytes != buf.page_bytes:
-                raise InvalidTransferError(
-                    f"page size mismatch: {_local_name(i, buf)} has {buf.page_bytes} bytes per page, "
-                    f"its target {_peer_name(j, dst)} has {dst.page_bytes}"
-                )
-            pairs.append((i, j))
-    kinds = [peer.buffers[j].memory for _, j in pairs]
-    # the peer LAYOUT decides (not the targets): a layout mixing kinds is a split destination
-    split = peer.is_split
-    parts: list[tuple[MemoryKind, bool, list[int]]]
-    if split:  # host buffers take dst_kv_indices, device buffers dst_device_kv_indices; skip an untargeted kind
-        parts = [(m, m == "device", [k for k, kind in enumerate(kinds) if kind == m]) for m in ("host", "device")]
-        parts = [part for part in parts if part[2]]
-    else:  # one memory kind: every target takes dst_kv_indices, whatever the kind
-        parts = [(kinds[0], False, list(range(len(pairs))))]
-    groups = []
-    for memory, device_ids, pos in parts:
-        src_ids = tuple(pairs[k][0] for k in pos)
-        dst_ids = tuple(pairs[k][1] for k in pos)
-        srcs = [local.buffers[i] for i in src_ids]
-        dsts = [peer.buffers[j] for j in dst_ids]
-        sizes = {b.page_bytes for b in srcs}
-        groups.append(
-            _Group(
-                memory=memory,
-                device_ids=device_ids,
-                index_name="dst_device_kv_indices" if device_ids else "dst_kv_indices",
-                pair_pos=_frozen(np.array(pos, dtype=_I64)),
-                contiguous=pos[-1] - pos[0] + 1 == len(pos),
-                src_ids=src_ids,
-                dst_ids=dst_ids,
-                src_base=_col([b.base for b in srcs]),
-                dst_base=_col([b.base for b in dsts]),
-                page_bytes=_col([b.page_bytes for b in srcs]),
-                uniform_page_bytes=sizes.pop() if len(sizes) == 1 else 0,
-                src_limit=min(b.num_pages for b in srcs),
-                dst_limit=min(b.num_pages for b in dsts),
-            )
-        )
-    return _Pairing(
-        local=local,
-        peer=peer,
-        groups=tuple(groups),
-        pair_group=_frozen(np.array([int(len(parts) > 1 and k == "device") for k in kinds], dtype=_I64)),
-        num_pairs=len(pairs),
-        src_limit=min(b.num_pages for b in local.buffers),
-        peer_bases=[b.base for b in peer.buffers],
-        split=split,
-        device_target=pairs[kinds.index("device")][1] if split and "device" in kinds else None,
-    )
-
-
-_CACHE_SIZE: Final = 64
-_cache: dict[tuple[Any, ...], _Pairing] = {}
-_cache_lock = threading.Lock()
-
-
-def _pairing(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int] | None) -> _Pairing:
-    """The pairing of (local, peer, dst_layer_ids), cached by object identity.
-
-    Layouts are immutable and the cache holds them, so an id is never reused
-    while its entry lives. The element types are part of the key so that, say,
-    ``2.0`` is rejected every time rather than hitting the entry made for ``2``.
-    """
-    if dst_layer_ids is None:
-        key: tuple[Any, ...] = (id(local), id(peer))
-    else:
-        try:
-            ids = tuple(dst_layer_ids)
-            key = (id(local), id(peer), ids, tuple(map(type, ids)))
-            hash(key)
-        except TypeError:  # not iterable, or unhashable elements: let validation explain
-            return _build_pairing(local, peer, dst_layer_ids)
-    hit = _cache.get(key)
-    if hit is not None and hit.local is local and hit.peer is peer:
-        return hit
-    pairing = _build_pairing(local, peer, dst_layer_ids)
-    with _cache_lock:
-        while len(_cache) >= _CACHE_SIZE:
-            _cache.pop(next(iter(_cache)), None)
-        _cache[key] = pairing
-    return pairing
 
 
 # -- index validation ---------------------------------------------------------
@@ -329,7 +71,7 @@ def _as_indices(name: str, value: object) -> NDArray[np.int64]:
 
 
 def _check_range(
-    name: str, idx: NDArray[np.int64], limit: int, *, layout: KVLayout, ids: Iterable[int], describe: _Namer
+    name: str, idx: NDArray[np.int64], limit: int, *, layout: KVLayout, ids: Iterable[int], describe: Namer
 ) -> None:
     """Every id in [0, limit); on failure name the first offender and a buffer (of ``ids``) it overflows."""
     if _max(idx.view(np.uint64)) < limit:  # negatives wrap to >= 2**63
@@ -343,7 +85,7 @@ def _check_range(
     raise InvalidTransferError(f"{name}[{j}] = {v} is out of range: {describe(i, buf)} has {buf.num_pages} pages")
 
 
-def _check_ptrs(pairing: _Pairing, dst_kv_ptrs: Sequence[int]) -> None:
+def _check_ptrs(pairing: Pairing, dst_kv_ptrs: Sequence[int]) -> None:
     peer = pairing.peer
     try:
         count = len(dst_kv_ptrs)
@@ -365,8 +107,10 @@ def _check_ptrs(pairing: _Pairing, dst_kv_ptrs: Sequence[int]) -> None:
         if int(p) != base:
             raise InvalidTransferError(
                 f"dst_kv_ptrs[{i}] = {int(p)} does not match the peer layout: "
-                f"{_peer_name(i, peer.buffers[i])} has base {base}"
+                f"{peer_name(i, peer.buffers[i])} has base {base}"
             )
+
+
 
 
 # -- planning -----------------------------------------------------------------
@@ -399,7 +143,7 @@ def _runs(src: NDArray[np.int64], dst: NDArray[np.int64], coalesce: bool) -> _Ru
 
 
 def _fill(
-    g: _Group,
+    g: Group,
     runs: _Runs,
     *,
     src: NDArray[np.int64],
@@ -421,7 +165,7 @@ def _fill(
         np.multiply(g.page_bytes, run_len, out=length)
 
 
-def _safety_net(pairing: _Pairing, g: _Group, runs: _Runs) -> None:
+def _safety_net(pairing: Pairing, g: Group, runs: _Runs) -> None:
     """Last line of defence: no descriptor of group ``g`` leaves its source or target buffer.
 
     The descriptor of pair ``p`` and run ``k`` covers bytes ``base_p + [page_k, page_k + len_k) *
@@ -432,8 +176,8 @@ def _safety_net(pairing: _Pairing, g: _Group, runs: _Runs) -> None:
     """
     run_src, run_dst, run_len = runs
     checks = (
-        ("source", run_src, g.src_limit, g.src_ids, pairing.local, _local_name),
-        ("target", run_dst, g.dst_limit, g.dst_ids, pairing.peer, _peer_name),
+        ("source", run_src, g.src_limit, g.src_ids, pairing.local, local_name),
+        ("target", run_dst, g.dst_limit, g.dst_ids, pairing.peer, peer_name),
     )
     for side, first, limit, ids, layout, name in checks:
         stop = first + run_len
@@ -498,8 +242,8 @@ def plan_transfer(
     Raises :class:`InvalidTransferError` (before anything is returned) naming
     the argument and the first offending position and value.
     """
-    pairing = _pairing(local, peer, dst_layer_ids)
-    _check_shape(pairing, dst_kv_item_len, dst_attn_tp_size)
+    pairing = pairing_of(local, peer, dst_layer_ids)
+    check_shape(pairing, dst_kv_item_len, dst_attn_tp_size)
     _check_ptrs(pairing, dst_kv_ptrs)
     src_pages = _as_indices("prefill_kv_indices", prefill_kv_indices)
     host_pages = _as_indices("dst_kv_indices", dst_kv_indices)
@@ -522,7 +266,7 @@ def plan_transfer(
     elif device_target is not None:
         raise InvalidTransferError(
             "dst_device_kv_indices is None, but the peer layout has host and device buffers (split destinations) "
-            f"and this request targets a device buffer, {_peer_name(device_target, peer.buffers[device_target])}: "
+            f"and this request targets a device buffer, {peer_name(device_target, peer.buffers[device_target])}: "
             "pass dst_device_kv_indices"
         )
     n = src_pages.shape[0]
@@ -540,13 +284,13 @@ def plan_transfer(
         pairing.src_limit,
         layout=local,
         ids=range(len(local.buffers)),
-        describe=_local_name,
+        describe=local_name,
     )
-    planned: list[tuple[_Group, _Runs]] = []
+    planned: list[tuple[Group, _Runs]] = []
     for g in pairing.groups:  # one, or (split layout) host and/or device
         pages = device_pages if g.device_ids else host_pages
         assert pages is not None  # guaranteed by the device-target check above
-        _check_range(g.index_name, pages, g.dst_limit, layout=peer, ids=g.dst_ids, describe=_peer_name)
+        _check_range(g.index_name, pages, g.dst_limit, layout=peer, ids=g.dst_ids, describe=peer_name)
         runs = _runs(src_pages, pages, coalesce)
         _safety_net(pairing, g, runs)
         planned.append((g, runs))
@@ -566,39 +310,10 @@ def check_peer_shape(
     targets; ``dst_attn_tp_size`` must equal the layout's ``attn_tp_size`` when
     the layout records one. :class:`InvalidTransferError` names both values.
     """
-    _check_shape(_pairing(local, peer, dst_layer_ids), dst_kv_item_len, dst_attn_tp_size)
+    check_shape(pairing_of(local, peer, dst_layer_ids), dst_kv_item_len, dst_attn_tp_size)
 
 
-def _check_scalar(name: str, value: object) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise InvalidTransferError(f"{name} must be an int or None, got {type(value).__name__} {value!r:.100}")
-    if int(value) < 1:
-        raise InvalidTransferError(f"{name} must be >= 1, got {int(value)}")
-    return int(value)
-
-
-def _check_shape(pairing: _Pairing, dst_kv_item_len: object, dst_attn_tp_size: object) -> None:
-    if dst_kv_item_len is not None:
-        item_len = _check_scalar("dst_kv_item_len", dst_kv_item_len)
-        for g in pairing.groups:
-            for j in g.dst_ids:
-                buf = pairing.peer.buffers[j]
-                if buf.page_bytes != item_len:
-                    raise InvalidTransferError(
-                        f"dst_kv_item_len = {item_len}, but the peer's layout says its target "
-                        f"{_peer_name(j, buf)} has {buf.page_bytes} bytes per page; nothing was sent"
-                    )
-    if dst_attn_tp_size is not None:
-        tp = _check_scalar("dst_attn_tp_size", dst_attn_tp_size)
-        recorded = pairing.peer.attn_tp_size
-        if recorded is not None and recorded != tp:
-            raise InvalidTransferError(
-                f"dst_attn_tp_size = {tp}, but the peer's layout records attention TP size {recorded}; "
-                "nothing was sent"
-            )
-
-
-def _assemble(pairing: _Pairing, planned: list[tuple[_Group, _Runs]], descriptors_before: int) -> TransferPlan:
+def _assemble(pairing: Pairing, planned: list[tuple[Group, _Runs]], descriptors_before: int) -> TransferPlan:
     """Broadcast each group's runs over its buffer pairs into pair-major flat arrays."""
     if len(planned) == 1:
         g, runs = planned[0]
@@ -606,7 +321,7 @@ def _assemble(pairing: _Pairing, planned: list[tuple[_Group, _Runs]], descriptor
         src, dst, length = np.empty(shape, _I64), np.empty(shape, _I64), np.empty(shape, _I64)
         _fill(g, runs, src=src, dst=dst, length=length)
         return TransferPlan(
-            _frozen(src.reshape(-1)), _frozen(dst.reshape(-1)), _frozen(length.reshape(-1)), descriptors_before
+            frozen(src.reshape(-1)), frozen(dst.reshape(-1)), frozen(length.reshape(-1)), descriptors_before
         )
     counts = np.array([runs[0].shape[0] for _, runs in planned], dtype=_I64)
     per_pair = counts[pairing.pair_group]  # rows of each pair, in output order
@@ -631,7 +346,7 @@ def _assemble(pairing: _Pairing, planned: list[tuple[_Group, _Runs]], descriptor
             _fill(g, runs, src=src, dst=dst, length=length)
             pos = row_start[g.pair_pos][:, None] + np.arange(r, dtype=_I64)
             flat_src[pos], flat_dst[pos], flat_len[pos] = src, dst, length
-    return TransferPlan(_frozen(flat_src), _frozen(flat_dst), _frozen(flat_len), descriptors_before)
+    return TransferPlan(frozen(flat_src), frozen(flat_dst), frozen(flat_len), descriptors_before)
 
 
 @dataclass(frozen=True)
