@@ -16,7 +16,7 @@ from kvwire import BackendConfig, KVLayout
 class Recorder:
     """Records every hook call with every argument it received."""
 
-    spec_version = "1.3"
+    spec_version = "1.4"
     capabilities = frozenset({"layer_ids", "device_kv_indices", "mha", "mla", "host_memory"})
 
     def __init__(self, config: BackendConfig) -> None:
@@ -34,6 +34,10 @@ class Recorder:
     @kvwire.hookimpl
     def add_peer(self, session_id: str, layout: KVLayout) -> None:
         self.calls.append(("add_peer", {"session_id": session_id, "layout": layout}))
+
+    @kvwire.hookimpl
+    def remove_peer(self, session_id: str) -> None:
+        self.calls.append(("remove_peer", {"session_id": session_id}))
 
     @kvwire.hookimpl
     def send_kvcache(

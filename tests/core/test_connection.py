@@ -177,7 +177,7 @@ def test_feature_not_declared_is_refused_before_the_call(registry: kvwire.Regist
     with pytest.raises(kvwire.UnsupportedFeatureError) as exc:
         conn.send_kvcache("p", idx, [1], idx, None, [0])
     assert str(exc.value) == (
-        "backend 'nolayers' (spec 1.3) does not support 'layer_ids', needed for dst_layer_ids; nothing was sent"
+        f"backend 'nolayers' (spec {kvwire.SPEC_VERSION}) does not support 'layer_ids', needed for dst_layer_ids; nothing was sent"
     )
     assert conn.backend.calls == []
 
@@ -213,5 +213,25 @@ def test_raw_write_needs_the_capability(registry: kvwire.Registry) -> None:
     with pytest.raises(kvwire.UnsupportedFeatureError) as exc:
         conn.raw_write("p", kvwire.TransferPlan.empty())
     assert str(exc.value) == (
-        "backend 'recorder' (spec 1.3) does not support 'raw_write', needed for raw_write; nothing was sent"
+        f"backend 'recorder' (spec {kvwire.SPEC_VERSION}) does not support 'raw_write', needed for raw_write; nothing was sent"
     )
+
+
+def test_remove_peer_reaches_the_backend_and_forgets_the_layout(registry: kvwire.Registry) -> None:
+    registry.register("recorder", Recorder)
+    conn = registry.connect("recorder")
+    conn.register_kv_buffers(_layout())
+    conn.add_peer("p", _layout())
+    conn.remove_peer("p")
+    assert [c[0] for c in conn.backend.calls] == ["register_kv_buffers", "add_peer", "remove_peer"]
+    idx = np.array([1], np.int32)
+    conn.send_kvcache("p", idx, [4096], idx, dst_kv_item_len=1)  # no layout recorded any more: not checked here
+    with pytest.raises(kvwire.ConfigError, match=r"^session_id must be a non-empty str, got 3$"):
+        conn.remove_peer(3)  # type: ignore[arg-type]
+
+
+def test_remove_peer_on_an_adapted_backend_drops_only_the_connection_record(registry: kvwire.Registry) -> None:
+    registry.register("old", Recorder11)
+    conn = registry.connect("old")
+    conn.remove_peer("p")  # spec 1.1: no remove_peer hook; nothing reaches the backend
+    assert conn.backend.calls == []

@@ -123,3 +123,14 @@ def test_raw_write_needs_a_transport_that_offers_it() -> None:
     backend = LocalBackend(BackendConfig())
     with pytest.raises(kvwire.UnsupportedFeatureError, match="LocalBackend's transport offers no raw_write"):
         backend.raw_write("p", TransferPlan.empty())
+
+
+def test_remove_peer_forgets_its_layout_and_is_idempotent() -> None:
+    sender, receiver, _, dst = _pair()
+    endpoint = receiver.endpoint()
+    sender.add_peer(endpoint, KVLayout.mla([dst]))
+    assert sender.send_kvcache(endpoint, IDX, [int(dst.ctypes.data)], IDX, None) == 128
+    sender.remove_peer(endpoint)
+    sender.remove_peer(endpoint)  # idempotent
+    with pytest.raises(InvalidTransferError, match=rf"session_id {endpoint!r} is unknown"):
+        sender.send_kvcache(endpoint, IDX, [int(dst.ctypes.data)], IDX, None)

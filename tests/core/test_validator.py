@@ -93,9 +93,9 @@ def test_unmarked_hook_and_non_class() -> None:
 @pytest.mark.parametrize(
     ("declared", "message"),
     [
-        ("1.7", "spec_version 1.7 is newer than this kvwire's spec 1.3"),
+        ("1.7", f"spec_version 1.7 is newer than this kvwire's spec {kvwire.SPEC_VERSION}"),
         ("one", "spec version must look like '1.2', got 'one'"),
-        ("0.9", "spec_version 0.9 is of major version 0; this kvwire implements 1.3"),
+        ("0.9", f"spec_version 0.9 is of major version 0; this kvwire implements {kvwire.SPEC_VERSION}"),
     ],
 )
 def test_spec_version_rule(declared: str, message: str) -> None:

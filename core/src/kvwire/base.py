@@ -133,6 +133,12 @@ class TransportBackend(ABC):
             self._peers[session_id] = layout
 
     @hookimpl
+    def remove_peer(self, session_id: str) -> None:
+        with self._lock:
+            self._peers.pop(session_id, None)
+        self.transport.forget_peer(session_id)
+
+    @hookimpl
     def send_kvcache(
         self,
         session_id: str,

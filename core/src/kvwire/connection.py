@@ -156,6 +156,19 @@ class Connection:
         self._call("add_peer", session_id=session_id, layout=layout)
         self._peers[session_id] = layout
 
+    def remove_peer(self, session_id: str) -> None:
+        """Forget a peer: its layout here and in the backend, and the engine's per-peer resources.
+
+        Idempotent. A backend of spec < 1.4 (adapted) has no ``remove_peer`` hook:
+        only the connection's own record is dropped, and the backend keeps what it
+        holds for the peer until it is closed.
+        """
+        self._check_open()
+        if not isinstance(session_id, str) or not session_id:
+            raise ConfigError(f"session_id must be a non-empty str, got {session_id!r}")
+        self._call("remove_peer", session_id=session_id)
+        self._peers.pop(session_id, None)
+
     def send_kvcache(
         self,
         session_id: str,

@@ -36,7 +36,7 @@ __all__ = [
     "spec_hooks",
 ]
 
-SPEC_VERSION = "1.3"
+SPEC_VERSION = "1.4"
 
 
 @total_ordering
@@ -84,10 +84,11 @@ class AddedParameter:
 
 @dataclass(frozen=True)
 class SpecRelease:
-    """One spec version and the parameters it added."""
+    """One spec version: the optional parameters and the hooks it added."""
 
     version: SpecVersion
     added: tuple[AddedParameter, ...] = ()
+    added_hooks: tuple[str, ...] = ()
 
 
 SPEC_HISTORY: tuple[SpecRelease, ...] = (
@@ -124,6 +125,7 @@ SPEC_HISTORY: tuple[SpecRelease, ...] = (
             ),
         ),
     ),
+    SpecRelease(SpecVersion(1, 4), added_hooks=("remove_peer",)),
 )
 
 #: ``send_kvcache`` parameter -> the feature that makes a non-None value meaningful (from the history).
@@ -152,6 +154,10 @@ class BackendSpec:
     @hookspec(firstresult=True)
     def add_peer(self, session_id: str, layout: KVLayout) -> None:
         """Learn a peer's KV layout (published by the peer) before sending to it."""
+
+    @hookspec(firstresult=True)
+    def remove_peer(self, session_id: str) -> None:
+        """Forget a peer: its layout and the engine's per-peer resources (spec 1.4); unknown ids are a no-op."""
 
     @hookspec(firstresult=True)
     def send_kvcache(
@@ -234,15 +240,24 @@ def _all_hooks() -> Mapping[str, SpecHook]:
     return MappingProxyType(hooks)
 
 
+def hook_since(name: str) -> SpecVersion:
+    """The spec version that added hook ``name``."""
+    for release in SPEC_HISTORY:
+        if name in release.added_hooks:
+            return release.version
+    return SPEC_HISTORY[0].version
+
+
 @cache
 def spec_hooks(version: SpecVersion) -> Mapping[str, SpecHook]:
-    """The hooks of the spec at ``version``: parameters added later are left out."""
+    """The hooks of the spec at ``version``: hooks and parameters added later are left out."""
     return MappingProxyType(
         {
             name: SpecHook(
                 hook.name, tuple(p for p in hook.params if p.since <= version), hook.returns, hook.returns_text
             )
             for name, hook in _all_hooks().items()
+            if hook_since(name) <= version
         }
     )
 

@@ -50,7 +50,7 @@ def test_check_shows_ok_with_the_reason_it_cannot_run_here() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     (entry,) = [e for e in json.loads(proc.stdout) if e["name"] == "ascend"]
-    assert (entry["status"], entry["distribution"], entry["spec_version"]) == ("ok", "kvwire-ascend", "1.3")
+    assert (entry["status"], entry["distribution"], entry["spec_version"]) == ("ok", "kvwire-ascend", kvwire.SPEC_VERSION)
     assert "device_kv_indices" not in entry["capabilities"]
     assert entry["runtime"].startswith("unavailable: torch_npu is not installed (pip install 'kvwire-ascend[npu]'")
     table = subprocess.run(
@@ -75,7 +75,8 @@ def test_requiring_split_destinations_fails_at_connect_naming_hisparse() -> None
     with pytest.raises(kvwire.UnsupportedFeatureError) as exc:
         kvwire.connect("ascend", DOUBLE, features={"device_kv_indices"})
     assert str(exc.value) == (
-        "backend 'ascend' (kvwire-ascend, spec 1.3) does not support required feature(s) ['device_kv_indices']; "
+        f"backend 'ascend' (kvwire-ascend, spec {kvwire.SPEC_VERSION}) does not support required feature(s) "
+        "['device_kv_indices']; "
         "backends that support them: hisparse (kvwire-hisparse), local (kvwire)"
     )
 

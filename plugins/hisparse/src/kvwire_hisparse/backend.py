@@ -20,7 +20,7 @@ __all__ = ["HiSparseBackend"]
 class HiSparseBackend(TransportBackend):
     """Mooncake transport with split host/device destinations."""
 
-    spec_version = "1.3"
+    spec_version = "1.4"
     capabilities = frozenset(
         {"layer_ids", "device_kv_indices", "mha", "mla", "host_memory", "device_memory", "interprocess", "raw_write"}
     )

@@ -31,7 +31,7 @@ def engine_availability() -> str | None:
 class MooncakeBackend(TransportBackend):
     """Moves KV pages with Mooncake's ``batch_transfer_sync_write``."""
 
-    spec_version = "1.3"
+    spec_version = "1.4"
     capabilities = frozenset(
         {"layer_ids", "mha", "mla", "host_memory", "device_memory", "interprocess", "raw_write"}
     )
