@@ -184,3 +184,37 @@ def test_raw_write_capability_needs_the_method() -> None:
         "capabilities",
         "declares 'raw_write' but has no `raw_write(session_id, plan)` method",
     )
+
+
+def test_a_base_written_for_the_current_spec_serves_a_backend_declaring_an_older_one() -> None:
+    """A TransportBackend subclass declaring 1.2 accepts the later optional parameters and hooks: adapted, no drift."""
+    from kvwire.backends.local import LocalBackend
+
+    class Older(LocalBackend):
+        spec_version = "1.2"
+        capabilities = frozenset({"layer_ids", "device_kv_indices", "mla", "host_memory"})
+
+    result = kvwire.validate_backend(Older, ORIGIN)
+    assert (result.status, result.spec_version, result.findings) == ("adapted", "1.2", ())
+
+
+def test_a_later_parameter_out_of_place_is_still_drift() -> None:
+    class Shuffled(Recorder):
+        spec_version = "1.2"
+
+        @kvwire.hookimpl
+        def send_kvcache(
+            self,
+            session_id: str,
+            prefill_kv_indices: NDArray[np.int32],
+            dst_kv_ptrs: Sequence[int],
+            dst_kv_indices: NDArray[np.int32],
+            executor: Executor | None,
+            dst_kv_item_len: int | None = None,
+            dst_layer_ids: Sequence[int] | None = None,
+            dst_device_kv_indices: NDArray[np.int32] | None = None,
+        ) -> int:
+            return 0
+
+    rules = {f.rule for f in kvwire.validate_backend(Shuffled, ORIGIN).findings}
+    assert rules == {"unknown-parameter"}

@@ -20,7 +20,7 @@ from kvwire.config import BackendConfig
 from kvwire.findings import Finding, PluginOrigin
 from kvwire.markers import IMPL_ATTR
 from kvwire.signatures import EMPTY, VAR_KINDS, Issue, compare_annotation, compare_hook, impl_parameters
-from kvwire.spec import CURRENT, PARAMETER_FEATURES, SpecVersion, features_at, known_versions, spec_hooks
+from kvwire.spec import CURRENT, PARAMETER_FEATURES, SpecHook, SpecVersion, features_at, known_versions, spec_hooks
 
 __all__ = ["Status", "ValidationResult", "validate_backend"]
 
@@ -113,12 +113,31 @@ def _check_hooks(cls: type, version: SpecVersion) -> list[Issue]:
     return [replace(i, defined_in=_owner(cls, i.hook)) for i in _hook_issues(cls, version)]
 
 
+def _forward_compatible(name: str, func: Callable[..., Any], is_method: bool, version: SpecVersion) -> SpecHook:
+    """The spec hook to compare ``func`` with: that of ``version``, or of a later known version whose
+    parameters ``func`` has exactly.
+
+    A backend declaring an older version may already accept the optional parameters a later
+    version added (a shared base class written for the current spec does): that is not drift.
+    It still honours only its declared version: the Connection refuses later features for it.
+    """
+    declared = spec_hooks(version)[name]
+    names = [p.name for p in impl_parameters(func, is_method)[0]]
+    for later in known_versions():
+        if later > version and name in spec_hooks(later):
+            hook = spec_hooks(later)[name]
+            if [p.name for p in hook.params] == names:
+                return hook
+    return declared
+
+
 def _hook_issues(cls: type, version: SpecVersion) -> list[Issue]:
     hooks = spec_hooks(version)
+    newest = spec_hooks(CURRENT)
     issues: list[Issue] = []
     for name in sorted(dir(cls)):
         func, _ = _lookup(cls, name)
-        if func is not None and _is_marked(func) and name not in hooks:
+        if func is not None and _is_marked(func) and name not in hooks and name not in newest:
             close = difflib.get_close_matches(name, list(hooks), n=1, cutoff=0.6)
             hint = f"; did you mean `{close[0]}`?" if close else ""
             issues.append(
@@ -156,7 +175,7 @@ def _hook_issues(cls: type, version: SpecVersion) -> list[Issue]:
                     name,
                 )
             )
-        issues.extend(compare_hook(hook, func, is_method))
+        issues.extend(compare_hook(_forward_compatible(name, func, is_method, version), func, is_method))
     return issues
 
 
