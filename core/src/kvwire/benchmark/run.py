@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     _check_arguments(args)
     preset = get_preset(args.preset)
     pages_per_request = -(-args.tokens // preset.page_tokens)
-    pool_pages = 4 * pages_per_request + 64  # room for the runs and the 1-3 free pages after each
+    pool_pages = 2 * pages_per_request + 64  # the runs and the 1-3 free pages after each (~1.25x at mean run 8)
     config = BackendConfig(timeout_s=args.timeout, process_settings=True, options=dict(args.option))
     decode_args = {
         "backend": args.backend,
@@ -208,8 +208,8 @@ def _measure(
             latencies.append(elapsed)
             total += outcome
             answer = decode.request({"cmd": "verify", "digest": pool.digest(src.astype(np.int64)), **pages})
-            verified = verified and bool(answer["ok"])
-            guards = guards and bool(answer["guards_ok"])
+            verified = verified and answer.get("ok") is True  # anything else from the decode side: not verified
+            guards = guards and answer.get("guards_ok") is True
         for name in paired.keys() & timings.keys():
             paired[name].append(timings[name] / timings["kvwire"])
         progress.step("verified" if verified and guards else "MISMATCH")

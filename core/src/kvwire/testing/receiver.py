@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Literal, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.config import BackendConfig
-from kvwire.control import ChildProcess, reply, serve
+from kvwire.control import ChildProcess, ControlProtocolError, reply, serve
 from kvwire.layout import KVLayout, MemoryKind, Role
 from kvwire.peer import PeerDescription
 from kvwire.workload.memory import KVMemory, allocate, digest
@@ -130,7 +130,10 @@ class SubprocessReceiver:
         return self.child.pid
 
     def hashes(self) -> list[str]:
-        return cast(list[str], self.child.request({"cmd": "hashes"})["hashes"])
+        answer = self.child.request({"cmd": "hashes"}).get("hashes")
+        if not isinstance(answer, list) or not all(isinstance(h, str) for h in answer):
+            raise ControlProtocolError(f"{self.child.what} answered 'hashes' with {answer!r:.200}, not a list of str")
+        return answer
 
     def close(self) -> None:
         self.child.close()

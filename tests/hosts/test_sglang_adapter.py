@@ -1,0 +1,111 @@
+"""kvwire.compat.sglang against sglang's real, released source (read with ast from the wheel, never imported)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvwire.compat.sglang import KvwireSendMixin
+from kvwire.spec import CURRENT, spec_hooks
+
+pytestmark = pytest.mark.slow
+
+#: sglang's name for the first parameter, kvwire's for the same value.
+RENAMED = {"mooncake_session_id": "session_id"}
+
+
+def _method(tree: ast.Module, cls: str, name: str) -> ast.FunctionDef:
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == name:
+                    return item
+    raise AssertionError(f"{cls}.{name} not found")
+
+
+def _params(func: ast.FunctionDef) -> list[tuple[str, str, str | None, str | None]]:
+    """(kind, name, annotation, default) of every parameter, as written in the source."""
+    a = func.args
+    out: list[tuple[str, str, str | None, str | None]] = []
+    positional = [*a.posonlyargs, *a.args]
+    defaults: list[ast.expr | None] = [None] * (len(positional) - len(a.defaults)) + list(a.defaults)
+    for i, (arg, default) in enumerate(zip(positional, defaults)):
+        kind = "positional-only" if i < len(a.posonlyargs) else "positional-or-keyword"
+        out.append((kind, arg.arg, _text(arg.annotation), _text(default)))
+    if a.vararg:
+        out.append(("*args", a.vararg.arg, _text(a.vararg.annotation), None))
+    for arg, kw_default in zip(a.kwonlyargs, a.kw_defaults):
+        out.append(("keyword-only", arg.arg, _text(arg.annotation), _text(kw_default)))
+    if a.kwarg:
+        out.append(("**kwargs", a.kwarg.arg, _text(a.kwarg.annotation), None))
+    return out
+
+
+def _text(node: ast.expr | None) -> str | None:
+    return None if node is None else ast.unparse(node)
+
+
+@pytest.fixture(scope="module")
+def conn_py(sglang_source: Callable[[str], Path]) -> ast.Module:
+    path = sglang_source("0.5.23") / "sglang" / "srt" / "disaggregation" / "mooncake" / "conn.py"
+    return ast.parse(path.read_text(), str(path))
+
+
+def test_the_adapter_has_exactly_sglangs_send_kvcache_parameters(conn_py: ast.Module) -> None:
+    sglang = _params(_method(conn_py, "MooncakeKVManager", "send_kvcache"))
+    own = ast.parse(textwrap.dedent(inspect.getsource(KvwireSendMixin.send_kvcache)))
+    adapter = _params(own.body[0])  # type: ignore[arg-type]
+    assert adapter == sglang
+    assert [name for _, name, _, _ in sglang] == [
+        "self",
+        "mooncake_session_id",
+        "prefill_kv_indices",
+        "dst_kv_ptrs",
+        "dst_kv_indices",
+        "executor",
+        "dst_layer_ids",
+        "dst_device_kv_indices",
+        "dst_kv_item_len",
+        "dst_attn_tp_size",
+    ]
+
+
+def _send_calls(tree: ast.Module, cls: str) -> list[tuple[str, int, ast.Call]]:
+    """(calling method, line, call) of every ``self.send_kvcache(...)`` in class ``cls``."""
+    calls = []
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for method in node.body:
+                if not isinstance(method, ast.FunctionDef):
+                    continue
+                for sub in ast.walk(method):
+                    if (
+                        isinstance(sub, ast.Call)
+                        and isinstance(sub.func, ast.Attribute)
+                        and sub.func.attr == "send_kvcache"
+                        and isinstance(sub.func.value, ast.Name)
+                        and sub.func.value.id == "self"
+                    ):
+                        calls.append((method.name, sub.lineno, sub))
+    return calls
+
+
+def test_every_call_of_the_transfer_worker_is_accepted_by_spec_and_adapter(conn_py: ast.Module) -> None:
+    calls = _send_calls(conn_py, "MooncakeKVManager")
+    assert [(method, len(call.args)) for method, _, call in calls] == [("transfer_worker", 5)]
+    spec = [p.name for p in spec_hooks(CURRENT)["send_kvcache"].params]
+    adapter = list(inspect.signature(KvwireSendMixin.send_kvcache).parameters)[1:]
+    for method, line, call in calls:
+        keywords = [k.arg for k in call.keywords]
+        assert None not in keywords, f"{method} line {line} passes **kwargs"
+        assert keywords == ["dst_layer_ids", "dst_device_kv_indices", "dst_kv_item_len", "dst_attn_tp_size"]
+        for keyword in keywords:
+            assert keyword in spec, f"spec {CURRENT} lacks {keyword}, passed by {method} line {line}"
+            assert keyword in adapter, f"the adapter lacks {keyword}, passed by {method} line {line}"
+        positional = [RENAMED.get(name, name) for name in adapter[: len(call.args)]]
+        assert positional == spec[: len(call.args)]  # same order: a positional caller lands on the same names
