@@ -1,0 +1,98 @@
+"""Host fixtures: sglang's released source, read from its wheels on PyPI (never installed, never imported).
+
+A wheel is downloaded once per version with ``pip download --no-deps
+--only-binary=:all:`` into ``$KVWIRE_TEST_CACHE`` (default
+``~/.cache/kvwire-tests/sglang``), and its ``sglang/**/*.py`` extracted next to
+it. Both steps write into a temporary directory first and then rename it into
+place, so concurrent pytest sessions never see a half-written wheel or tree.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+DOWNLOAD_TIMEOUT_S = 600
+
+
+class SourceUnavailable(Exception):
+    """The wheel cannot be had (no index, no such version, a broken download): the reason says which."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVWIRE_TEST_CACHE") or Path.home() / ".cache" / "kvwire-tests" / "sglang")
+
+
+def sglang_wheel_source(version: str) -> Path:
+    """The directory holding sglang ``version``'s ``sglang/`` package source (``.py`` files only)."""
+    base = cache_root() / version
+    tree = base / "src"
+    if not (tree / "sglang").is_dir():
+        base.mkdir(parents=True, exist_ok=True)
+        _extract(_download(version, base / "wheel"), tree)
+    return tree
+
+
+def _download(version: str, directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    cached = sorted(directory.glob(f"sglang-{version}-*.whl"))
+    if cached:
+        return cached[0]
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".download-") as tmp:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+        command += ["--disable-pip-version-check", "--quiet", f"sglang=={version}", "-d", tmp]
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise SourceUnavailable(f"pip download sglang=={version} timed out after {DOWNLOAD_TIMEOUT_S} s") from None
+        if proc.returncode != 0:
+            lines = [line.strip() for line in (proc.stderr or proc.stdout).splitlines() if line.strip()]
+            reason = lines[-1] if lines else f"exit status {proc.returncode}"
+            raise SourceUnavailable(f"pip download sglang=={version} failed: {reason}")
+        wheels = sorted(Path(tmp).glob(f"sglang-{version}-*.whl"))
+        if not wheels:
+            raise SourceUnavailable(f"pip download sglang=={version} produced no wheel")
+        target = directory / wheels[0].name
+        os.replace(wheels[0], target)  # atomic: a concurrent session's identical wheel is simply replaced
+    return target
+
+
+def _extract(wheel: Path, tree: Path) -> None:
+    staging = Path(tempfile.mkdtemp(dir=tree.parent, prefix=".extract-"))
+    try:
+        try:
+            with zipfile.ZipFile(wheel) as archive:
+                for info in archive.infolist():
+                    if info.filename.startswith("sglang/") and info.filename.endswith(".py"):
+                        archive.extract(info, staging)  # zipfile drops ".." and absolute parts
+        except zipfile.BadZipFile as exc:
+            wheel.unlink(missing_ok=True)
+            raise SourceUnavailable(f"{wheel.name} is not a valid wheel ({exc}); removed, retry") from None
+        try:
+            staging.rename(tree)
+        except OSError:
+            if not (tree / "sglang").is_dir():  # not a concurrent session's finished tree: a real failure
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def sglang_source() -> Callable[[str], Path]:
+    """``(version) -> Path`` of the directory holding that release's ``sglang/`` source; skips when unavailable."""
+
+    def get(version: str) -> Path:
+        try:
+            return sglang_wheel_source(version)
+        except SourceUnavailable as exc:
+            pytest.skip(f"sglang {version} source unavailable: {exc}")
+
+    return get
