@@ -1,6 +1,9 @@
-"""The bench's decode process: allocate, register, publish, then scramble and verify pages on request.
+"""The bench's decode side: allocate, register, publish, then scramble and verify pages on request.
 
-Run by ``kvwire bench`` as ``python -m kvwire.benchmark.decode '<json args>'``.
+Run by ``kvwire bench`` as a child, ``python -m kvwire.benchmark.decode '<json args>'``
+(control channel on stdin/stdout), or on another machine as
+``kvwire bench --role decode --listen HOST:PORT`` (control channel over TCP;
+the prefill side's first command, ``start``, carries the same arguments).
 ``scramble`` sets the target pages to a byte value (memset speed) and records a
 digest of their guard pages (the pages just before and after every target
 run); ``verify`` then checks the target pages against the sender's digest and
@@ -12,14 +15,15 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.benchmark.presets import get_preset
 from kvwire.config import BackendConfig
-from kvwire.control import reply, serve
+from kvwire.connection import Connection
+from kvwire.control import accept_one, parse_address, read_command, reply, serve
 from kvwire.layout import MemoryKind
 from kvwire.peer import PeerDescription
 from kvwire.registry import connect
@@ -68,24 +72,49 @@ class DecodeSide:
         return {"ok": ok, "guards_ok": not self.guards or guards == self.guards}
 
 
-def main(raw: str) -> int:
-    args = json.loads(raw)
+def _start(args: dict[str, Any], host: str | None = None) -> tuple[Connection, KVMemory]:
+    """Allocate the preset's decode-side pools, fill them, connect and register (``host``: this side's own)."""
+    preset = get_preset(args["preset"])
+    device = args.get("device", "cpu")
+    entries = preset.entries(decode_side=True, device=device)
+    memory = allocate(entries, int(args["pages"]), preset.page_bytes, backing="auto", device=device)
+    memory.fill_random(int(args["seed"]))
+    settings = dict(args.get("config", {}))
+    if host is not None:
+        settings["host"] = host
+    conn = connect(args["backend"], BackendConfig.from_dict(settings))
+    conn.register_kv_buffers(memory.layout)
+    return conn, memory
+
+
+def _session(args: dict[str, Any], stdin: IO[bytes] | None, stdout: IO[str] | None, host: str | None) -> int:
     try:
-        preset = get_preset(args["preset"])
-        device = args.get("device", "cpu")
-        entries = preset.entries(decode_side=True, device=device)
-        memory = allocate(entries, int(args["pages"]), preset.page_bytes, backing="auto", device=device)
-        memory.fill_random(int(args["seed"]))
-        conn = connect(args["backend"], BackendConfig.from_dict(args.get("config", {})))
-        conn.register_kv_buffers(memory.layout)
+        conn, memory = _start(args, host)
     except Exception as exc:
-        reply({"error": f"{type(exc).__name__}: {exc}"})
+        reply({"error": f"{type(exc).__name__}: {exc}"}, stdout)
         return 1
-    reply(PeerDescription(conn.endpoint(), memory.layout).to_dict())
+    reply(PeerDescription(conn.endpoint(), memory.layout).to_dict(), stdout)
     side = DecodeSide(memory)
     with conn:
-        serve({"scramble": side.scramble, "verify": side.verify})
+        serve({"scramble": side.scramble, "verify": side.verify}, stdin=stdin, stdout=stdout)
     return 0
+
+
+def main(raw: str) -> int:
+    """Child mode: arguments on the command line, the channel on stdin/stdout."""
+    return _session(json.loads(raw), None, None, None)
+
+
+def listen(address: str, host: str) -> int:
+    """Two-machine mode: serve one prefill side that connects to ``address``; ``host`` is this side's engine address."""
+    bind_host, port = parse_address(address, "--listen")
+    sock, reader, writer = accept_one(bind_host, port, sys.stderr)
+    with sock, reader, writer:
+        start = read_command(reader)
+        if start is None or start.get("cmd") != "start":
+            reply({"error": f"expected a 'start' command first, got {str(start)[:200]}"}, writer)
+            return 1
+        return _session(start, reader, writer, host)
 
 
 if __name__ == "__main__":

@@ -23,10 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from kvwire.benchmark.decode import listen
 from kvwire.benchmark.presets import PRESETS, get_preset
 from kvwire.config import BackendConfig
 from kvwire.connection import Connection
-from kvwire.control import ChildProcess
+from kvwire.control import Channel, ChildProcess, PeerConnection, parse_address
 from kvwire.errors import ConfigError
 from kvwire.layout import KVLayout
 from kvwire.peer import PeerDescription
@@ -47,6 +48,18 @@ def _option(text: str) -> tuple[str, str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default=None, help="backend name (one that reaches other processes)")
+    parser.add_argument(
+        "--role",
+        choices=("prefill", "decode"),
+        default="prefill",
+        help="prefill (default): run the job, with a local decode child or the decode side at --peer; "
+        "decode: serve one prefill side that connects to --listen (two machines)",
+    )
+    parser.add_argument("--listen", metavar="HOST:PORT", help="--role decode: where to wait for the prefill side")
+    parser.add_argument("--peer", metavar="HOST:PORT", help="the decode side started with --role decode --listen")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="this side's engine address (BackendConfig.host; default 127.0.0.1)"
+    )
     parser.add_argument("--preset", default="llama3-8b", choices=list(PRESETS), help="layout preset")
     parser.add_argument("--requests", type=int, default=16, help="number of requests (default 16)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per request (default 4096)")
@@ -95,6 +108,15 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
+    if args.role == "decode" and not args.listen:
+        raise ConfigError("--role decode needs --listen HOST:PORT")
+    if args.role == "prefill" and args.listen:
+        raise ConfigError("--listen is for --role decode; the prefill side connects with --peer HOST:PORT")
+    if args.role == "decode":
+        parse_address(args.listen, "--listen")
+        return  # the prefill side sends the backend, preset and sizes
+    if args.peer:
+        parse_address(args.peer, "--peer")
     for name in ("requests", "tokens", "mean_run"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -119,12 +141,28 @@ def _check_arguments(args: argparse.Namespace) -> None:
         )
 
 
+def _decode_side(args: argparse.Namespace, decode_args: dict[str, Any]) -> Channel:
+    """A local decode child, or (``--peer``) a connection to a decode side started on another machine."""
+    if args.peer is None:
+        return ChildProcess("kvwire.benchmark.decode", [json.dumps(decode_args)], what="decode process")
+    host, port = parse_address(args.peer, "--peer")
+    channel = PeerConnection(host, port, what="decode side", timeout_s=120.0)
+    try:
+        channel.send({"cmd": "start", **decode_args})
+    except BaseException:
+        channel.close()
+        raise
+    return channel
+
+
 def run(args: argparse.Namespace) -> int:
     _check_arguments(args)
+    if args.role == "decode":
+        return listen(args.listen, args.host)
     preset = get_preset(args.preset)
     pages_per_request = -(-args.tokens // preset.page_tokens)
     pool_pages = 2 * pages_per_request + 64  # the runs and the 1-3 free pages after each (~1.25x at mean run 8)
-    config = BackendConfig(timeout_s=args.timeout, process_settings=True, options=dict(args.option))
+    config = BackendConfig(host=args.host, timeout_s=args.timeout, process_settings=True, options=dict(args.option))
     decode_args = {
         "backend": args.backend,
         "preset": preset.name,
@@ -133,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         "device": args.device,
         "config": config.to_dict(),
     }
-    decode = ChildProcess("kvwire.benchmark.decode", [json.dumps(decode_args)], what="decode process")
+    decode = _decode_side(args, decode_args)
     try:
         peer = PeerDescription.from_dict(decode.read())
         pool = allocate(preset.entries(decode_side=False), pool_pages, preset.page_bytes, backing="auto")
@@ -144,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
             result = _measure(args, conn, pool, peer.endpoint, peer.layout, pages_per_request, decode)
     finally:
         decode.close()
-    result.update(backend=args.backend, preset=preset.name, backing=pool.backing)
+    result.update(backend=args.backend, preset=preset.name, backing=pool.backing, decode=args.peer or "local child")
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -159,7 +197,7 @@ def _measure(
     endpoint: str,
     peer_layout: KVLayout,
     pages_per_request: int,
-    decode: ChildProcess,
+    decode: Channel,
 ) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed + 7)
     ptrs = [b.base for b in peer_layout.buffers]
@@ -238,7 +276,7 @@ def _measure(
 
 def _print_table(r: dict[str, Any]) -> None:
     rows = [
-        ("backend", f"{r['backend']} ({r['preset']}, pools: {r['backing']})"),
+        ("backend", f"{r['backend']} ({r['preset']}, pools: {r['backing']}, decode side: {r['decode']})"),
         ("requests", f"{r['requests']} x {r['tokens']} tokens"),
         ("bytes", f"{r['bytes'] / 2**30:.2f} GiB"),
         (

@@ -1,0 +1,34 @@
+"""A bounded JSON-lines control channel between the two sides of a transfer (peer descriptions, commands).
+
+The bench's decode process and the contract kit's receivers speak it: one JSON
+object per line, no pickle on the wire; over a child's stdin/stdout
+(:class:`ChildProcess`) or a TCP connection to another machine
+(:class:`PeerConnection`). The other end may be buggy or hostile, so the parent
+reads bytes on demand with a deadline, a line length, a buffer size and a
+nesting depth (:mod:`kvwire.jsonlines`): whatever the peer does ends in one
+:class:`ControlError` naming it, never a hang or unbounded memory. After a
+protocol violation the channel is poisoned (every later call raises the same
+error). A peer reports its own failure as ``{"error": "..."}``.
+"""
+
+from kvwire.control.channel import Channel
+from kvwire.control.errors import ControlClosedError, ControlError, ControlProtocolError, ControlTimeoutError
+from kvwire.control.network import PeerConnection, accept_one, parse_address
+from kvwire.control.process import ChildProcess
+from kvwire.control.serving import Handler, read_command, reply, serve
+
+__all__ = [
+    "Channel",
+    "ChildProcess",
+    "ControlClosedError",
+    "ControlError",
+    "ControlProtocolError",
+    "ControlTimeoutError",
+    "Handler",
+    "PeerConnection",
+    "accept_one",
+    "parse_address",
+    "read_command",
+    "reply",
+    "serve",
+]

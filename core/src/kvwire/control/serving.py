@@ -1,0 +1,95 @@
+"""The answering side of the control channel: read commands, dispatch them to handlers, reply.
+
+The same functions serve a child process over stdin/stdout and a decode process
+over a TCP connection (pass the connection's binary reader and text writer).
+Every line is bounded and parsed by :func:`kvwire.jsonlines.parse_object`; a bad
+line or a failing handler is answered with ``{"error": ...}``, never a crash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Callable, Mapping
+from typing import IO, Any
+
+from kvwire.control.errors import ControlProtocolError
+from kvwire.jsonlines import DEFAULT_MAX_DEPTH, DEFAULT_MAX_LINE, LineError, parse_object, preview
+
+__all__ = ["Handler", "read_command", "reply", "serve"]
+
+#: A handler of one command: the message in, the reply out.
+Handler = Callable[[dict[str, Any]], dict[str, Any]]
+
+_CHUNK = 1 << 16
+
+
+def reply(message: dict[str, Any], stream: IO[str] | None = None) -> None:
+    """Child side: send one message to the parent."""
+    out = stream if stream is not None else sys.stdout
+    out.write(json.dumps(message, separators=(",", ":")) + "\n")
+    out.flush()
+
+
+def read_command(
+    stream: IO[bytes] | None = None, *, max_line: int = DEFAULT_MAX_LINE, max_depth: int = DEFAULT_MAX_DEPTH
+) -> dict[str, Any] | None:
+    """Child side: the parent's next message, None at EOF; ControlProtocolError for a bad line (consumed whole)."""
+    source = stream if stream is not None else sys.stdin.buffer
+    line = source.readline(max_line + 1)
+    if not line:
+        return None
+    if line.endswith(b"\n"):
+        line = line[:-1]
+    elif len(line) > max_line:
+        head = line
+        while (rest := source.readline(_CHUNK)) and not rest.endswith(b"\n"):
+            pass  # skip the rest of the line, a chunk at a time
+        raise ControlProtocolError(f"bad command: a line over {max_line} bytes: {preview(head)}")
+    try:
+        return parse_object(line, max_depth)
+    except LineError as exc:
+        raise ControlProtocolError(f"bad command: {exc}") from None
+
+
+def _short(value: object, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def serve(
+    handlers: Mapping[str, Handler],
+    *,
+    stdin: IO[bytes] | None = None,
+    stdout: IO[str] | None = None,
+    max_line: int = DEFAULT_MAX_LINE,
+    max_depth: int = DEFAULT_MAX_DEPTH,
+) -> None:
+    """Child side: answer commands until ``quit`` (answered) or EOF; a bad line or a failed handler gets an error."""
+    while True:
+        try:
+            message = read_command(stdin, max_line=max_line, max_depth=max_depth)
+        except ControlProtocolError as exc:
+            answer: dict[str, Any] = {"error": str(exc)}
+        else:
+            if message is None:
+                return
+            command = message.get("cmd")
+            if command == "quit":
+                with contextlib.suppress(OSError):
+                    reply({"ok": True}, stdout)
+                return
+            handler = handlers.get(command) if isinstance(command, str) else None
+            if handler is None:
+                answer = {"error": f"unknown command {_short(command)}"}
+            else:
+                try:
+                    answer = handler(message)
+                    json.dumps(answer)
+                except Exception as exc:  # a handler's failure is the parent's to report, not a crash here
+                    answer = {"error": f"{type(exc).__name__}: {exc}"}
+        try:
+            reply(answer, stdout)
+        except OSError:  # the parent is gone
+            return
