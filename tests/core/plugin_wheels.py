@@ -48,7 +48,7 @@ GOOD_SEND = """\
 
 def backend_source(
     *,
-    spec_version: str | None = '"1.3"',
+    spec_version: str | None = '"1.4"',
     capabilities: str = 'frozenset({"layer_ids", "device_kv_indices", "mha", "mla", "host_memory"})',
     init: str = "    def __init__(self, config: BackendConfig) -> None:\n        self.config = config\n",
     send: str = GOOD_SEND,
@@ -66,6 +66,7 @@ def backend_source(
         "    @kvwire.hookimpl\n    def register_kv_buffers(self, layout: KVLayout) -> None:\n        pass\n\n"
         '    @kvwire.hookimpl\n    def endpoint(self) -> str:\n        return "test://endpoint"\n\n'
         "    @kvwire.hookimpl\n    def add_peer(self, session_id: str, layout: KVLayout) -> None:\n        pass\n\n"
+        "    @kvwire.hookimpl\n    def remove_peer(self, session_id: str) -> None:\n        pass\n\n"
     )
     lines.append(send + "\n")
     if close:
@@ -179,7 +180,36 @@ VARIANTS: dict[str, tuple[str, str]] = {
     ),
     "twin-a": ("twin", backend_source()),
     "twin-b": ("twin", backend_source()),
+    # Hostile at import or in availability(): `kvwire check` must survive them, and `connect("local")` never sees them.
+    "exit": ("exit_plugin", backend_source(prelude="import sys\n\nsys.exit(0)\n\n")),
+    "base-exception": (
+        "base_exception",
+        backend_source(
+            prelude=(
+                'class PluginAbort(BaseException):\n    pass\n\n\nraise PluginAbort("transport self-test failed")\n\n'
+            )
+        ),
+    ),
+    "os-exit": ("os_exit", backend_source(prelude="import os\n\nos._exit(3)\n\n")),
+    "segfault": ("segfault", backend_source(prelude="import ctypes\n\nctypes.string_at(0)\n\n")),
+    "import-loop": ("import_loop", backend_source(prelude="import time\n\nwhile True:\n    time.sleep(0.05)\n\n")),
+    "print-noise": ("print_noise", backend_source(prelude='print("noise")\n\n')),
+    "fd-noise": ("fd_noise", backend_source(prelude='import os\n\nos.write(1, b"noise")\n\n')),
+    "hung-availability": (
+        "hung_availability",
+        backend_source(
+            extra=(
+                "\n    @classmethod\n    def availability(cls) -> str | None:\n"
+                "        import time\n\n        while True:\n            time.sleep(0.05)\n"
+            )
+        ),
+    ),
 }
+
+#: Entry-point names of the variants that end or hang the process that imports them (or probes their runtime).
+FATAL_IN_PROCESS = frozenset({"os_exit", "segfault", "import_loop", "hung_availability"})
+#: Entry-point names of the variants that write to stdout at import.
+NOISY = frozenset({"print_noise", "fd_noise"})
 
 PYPROJECT = """\
 [build-system]

@@ -177,7 +177,8 @@ def test_feature_not_declared_is_refused_before_the_call(registry: kvwire.Regist
     with pytest.raises(kvwire.UnsupportedFeatureError) as exc:
         conn.send_kvcache("p", idx, [1], idx, None, [0])
     assert str(exc.value) == (
-        f"backend 'nolayers' (spec {kvwire.SPEC_VERSION}) does not support 'layer_ids', needed for dst_layer_ids; nothing was sent"
+        f"backend 'nolayers' (spec {kvwire.SPEC_VERSION}) does not support 'layer_ids', needed for dst_layer_ids; "
+        "nothing was sent"
     )
     assert conn.backend.calls == []
 
@@ -213,7 +214,8 @@ def test_raw_write_needs_the_capability(registry: kvwire.Registry) -> None:
     with pytest.raises(kvwire.UnsupportedFeatureError) as exc:
         conn.raw_write("p", kvwire.TransferPlan.empty())
     assert str(exc.value) == (
-        f"backend 'recorder' (spec {kvwire.SPEC_VERSION}) does not support 'raw_write', needed for raw_write; nothing was sent"
+        f"backend 'recorder' (spec {kvwire.SPEC_VERSION}) does not support 'raw_write', needed for raw_write; "
+        "nothing was sent"
     )
 
 

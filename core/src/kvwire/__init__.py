@@ -15,6 +15,7 @@ from kvwire.connection import Connection
 from kvwire.errors import (
     BackendDriftError,
     BackendError,
+    BackendImportError,
     BackendLoadError,
     BackendUnavailableError,
     ConfigError,
@@ -46,6 +47,7 @@ __all__ = [
     "BackendConfig",
     "BackendDriftError",
     "BackendError",
+    "BackendImportError",
     "BackendInfo",
     "BackendLoadError",
     "BackendSpec",

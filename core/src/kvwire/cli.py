@@ -5,13 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
 import sys
 from collections.abc import Sequence
 
-from kvwire.errors import KvwireError
-from kvwire.registry import BackendInfo, Registry
+from kvwire.errors import ConfigError, KvwireError
+from kvwire.isolation import DEFAULT_TIMEOUT, check_isolated
+from kvwire.registry import BackendInfo, Registry, allow_list_error, installed_backends
 
 __all__ = ["main"]
+
+_SIGPIPE_EXIT = 128 + 13  # what a shell reports for a process ended by SIGPIPE
 
 
 def _check_table(infos: Sequence[BackendInfo]) -> str:
@@ -44,9 +49,19 @@ def _check_table(infos: Sequence[BackendInfo]) -> str:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     logging.getLogger("kvwire").addHandler(logging.NullHandler())  # the report below says it all, once
-    allow = [n.strip() for n in args.backends.split(",") if n.strip()] if args.backends else None
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ConfigError(f"--timeout must be a finite number of seconds > 0, got {args.timeout:g}")
+    allow = None
+    if args.backends is not None:
+        allow = [n.strip() for n in args.backends.split(",") if n.strip()]
+        if not allow:
+            raise ConfigError(
+                f"--backends {args.backends!r} names no backend; give backend names separated by commas "
+                f"(installed: {', '.join(installed_backends()) or 'none'}), or leave it out to check all of them"
+            )
     registry = Registry(allow=allow, policy="quarantine")
-    infos = registry.scan()
+    unknown = registry.unknown_allowed()
+    infos = check_isolated(registry, args.timeout)  # each backend in a child: a plugin cannot take the check down
     if args.json:
         print(json.dumps([i.to_dict() for i in infos], indent=2))
     else:
@@ -54,9 +69,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
     passing = ("ok",) if args.strict else ("ok", "adapted")
     failed = [i for i in infos if i.status != "blocked" and i.status not in passing]
     if not args.json:
-        total = len([i for i in infos if i.status != "blocked"])
-        print(f"\n{total - len(failed)}/{total} allowed backend(s) pass" + (" (--strict)" if args.strict else ""))
-    return 1 if failed else 0
+        total = len([i for i in infos if i.status != "blocked"]) + len(unknown)
+        passed = total - len(failed) - len(unknown)
+        print(f"\n{passed}/{total} allowed backend(s) pass" + (" (--strict)" if args.strict else ""))
+    if unknown:
+        source = "--backends" if allow is not None else registry.allow_source
+        print(f"kvwire check: error: {allow_list_error(source, unknown, installed_backends())}", file=sys.stderr)
+    return 1 if failed or unknown else 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,12 +85,31 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", help="print a JSON list of backends")
     check.add_argument("--strict", action="store_true", help="fail on 'adapted' backends too")
     check.add_argument("--backends", default=None, help="comma-separated allow-list (default: $KVWIRE_BACKENDS)")
+    check.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help=f"time limit of each backend's import, validation and availability() (default: {DEFAULT_TIMEOUT:g})",
+    )
     check.set_defaults(func=_cmd_check)
     bench = sub.add_parser("bench", help="move a realistic KV cache between a prefill and a decode process")
     from kvwire.benchmark.run import add_arguments, run
 
     add_arguments(bench)
     bench.set_defaults(func=run)
+    lint = sub.add_parser(
+        "lint",
+        help="find overrides whose signature drifted from the method they override, in a source tree (ast only)",
+        description="Read a Python source tree with ast (nothing is imported) and report every override that does "
+        "not accept a parameter of the method it overrides, and every keyword a call through self. in the base "
+        "passes that an override lacks. Exit status: 0 no finding, 1 findings, 2 usage error.",
+    )
+    from kvwire.lint.cli import add_arguments as add_lint_arguments
+    from kvwire.lint.cli import run as run_lint
+
+    add_lint_arguments(lint)
+    lint.set_defaults(func=run_lint)
     return parser
 
 
@@ -80,8 +118,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         code: int = args.func(args)
+        sys.stdout.flush()
     except KvwireError as exc:  # bad arguments, a missing backend, a failed transfer: one line, no traceback
         print(f"kvwire {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    sys.stdout.flush()
+    except BrokenPipeError:  # the reader left (`kvwire check --json | head -1`): stop quietly, as SIGPIPE would
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's last flush has somewhere to go
+        os.close(devnull)
+        return _SIGPIPE_EXIT
     return code

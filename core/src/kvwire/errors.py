@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BackendDriftError",
     "BackendError",
+    "BackendImportError",
     "BackendLoadError",
     "BackendUnavailableError",
     "ConfigError",
@@ -58,6 +59,13 @@ class BackendError(KvwireError):
 
 class BackendLoadError(BackendError, LookupError):
     """The requested backend cannot be loaded: not installed, not allowed, failed to import, or drifted."""
+
+
+class BackendImportError(BackendLoadError):
+    """Importing the backend's module failed (an exception, ``SystemExit`` included); the process goes on.
+
+    The message names the backend, its distribution, version and entry point, what was raised, and the fix.
+    """
 
 
 class BackendUnavailableError(BackendError):

@@ -1,11 +1,15 @@
 """Backend discovery and registration: entry points in, validated backends out.
 
-Entry points of the group ``kvwire.backends`` are read once per process. A
-backend that is not allowed is never imported; one that fails to import is
-isolated (recorded with its error); two distributions claiming one name are
-both refused; every imported class goes through the validator. The policy
-decides what drift means: ``strict`` makes it a start-up error, ``quarantine``
-leaves the drifted backend out, loudly.
+Entry points of the group ``kvwire.backends`` are read once per process, from
+metadata alone: listing backends, spotting two distributions that claim one
+name, and applying the allow-list import nothing. A backend is imported only
+when it is asked for (:meth:`Registry.get`, so ``connect("local")`` imports
+``local`` alone) or when every allowed one is (:meth:`Registry.scan`). One that
+fails to import, even by raising ``SystemExit``, is isolated (recorded with its
+error); every imported class goes through the validator. The policy decides
+what drift means: ``strict`` makes it a start-up error, ``quarantine`` leaves
+the drifted backend out, loudly. An allow-list naming a backend that is not
+installed is an error, with the closest installed name suggested.
 """
 
 from __future__ import annotations
@@ -14,26 +18,36 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from functools import cache
 from importlib import metadata
-from typing import Any, Literal
+from typing import Literal
 
 from kvwire.capabilities import FEATURE_DISTRIBUTIONS, FEATURES
 from kvwire.config import BackendConfig
 from kvwire.connection import Connection
 from kvwire.errors import (
     BackendDriftError,
+    BackendImportError,
     BackendLoadError,
     ConfigError,
     DuplicateBackendError,
     UnsupportedFeatureError,
 )
-from kvwire.findings import Finding, PluginOrigin
+from kvwire.findings import PluginOrigin
+from kvwire.loading import BackendInfo, did_you_mean, dist_of, load_backend, module_of, validated
 from kvwire.markers import ENTRY_POINT_GROUP
-from kvwire.validator import Status, validate_backend
 
-__all__ = ["BackendInfo", "Policy", "Registry", "connect", "default_registry", "register_backend"]
+__all__ = [
+    "BackendInfo",
+    "Entry",
+    "Policy",
+    "Registry",
+    "allow_list_error",
+    "connect",
+    "default_registry",
+    "installed_backends",
+    "register_backend",
+]
 
 log = logging.getLogger("kvwire")
 
@@ -42,67 +56,8 @@ _POLICIES: tuple[Policy, ...] = ("strict", "quarantine")
 ALLOW_ENV = "KVWIRE_BACKENDS"
 POLICY_ENV = "KVWIRE_POLICY"
 
-
-@dataclass(frozen=True)
-class BackendInfo:
-    """What the registry knows of one backend: origin, status, and why."""
-
-    name: str
-    distribution: str | None
-    version: str | None
-    entry_point: str | None
-    status: Status
-    spec_version: str | None = None
-    declared_spec_version: str | None = None
-    capabilities: frozenset[str] = frozenset()
-    findings: tuple[Finding, ...] = ()
-    error: str | None = None
-    runtime: str | None = None
-    cls: type | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def usable(self) -> bool:
-        """True when the backend validated (``ok`` or ``adapted``)."""
-        return self.status in ("ok", "adapted") and self.cls is not None
-
-    @property
-    def origin(self) -> PluginOrigin:
-        return PluginOrigin(self.name, self.distribution, self.version, self.entry_point)
-
-    def reason(self) -> str:
-        """One line saying why the backend is (not) usable."""
-        if self.status == "drift":
-            rules = sorted({f.rule for f in self.findings})
-            return f"drift: {len(self.findings)} finding(s) ({', '.join(rules)})"
-        if self.error:
-            return f"{self.status}: {self.error}"
-        return self.status
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "distribution": self.distribution,
-            "version": self.version,
-            "entry_point": self.entry_point,
-            "status": self.status,
-            "spec_version": self.spec_version,
-            "declared_spec_version": self.declared_spec_version,
-            "capabilities": sorted(self.capabilities),
-            "error": self.error,
-            "runtime": self.runtime,
-            "findings": [
-                {
-                    "hook": f.hook,
-                    "rule": f.rule,
-                    "message": f.message,
-                    "fix": f.fix,
-                    "spec_signature": f.spec_signature,
-                    "impl_signature": f.impl_signature,
-                    "defined_in": f.defined_in,
-                }
-                for f in self.findings
-            ],
-        }
+#: One installed backend as metadata knows it: a final verdict (blocked, duplicate) or the entry point to import.
+Entry = BackendInfo | metadata.EntryPoint
 
 
 @cache
@@ -111,11 +66,31 @@ def _entry_points(group: str) -> tuple[metadata.EntryPoint, ...]:
     return tuple(metadata.entry_points(group=group))
 
 
+def installed_backends(group: str = ENTRY_POINT_GROUP) -> list[str]:
+    """The names of the installed backends, sorted; from metadata, nothing is imported."""
+    return sorted({ep.name for ep in _entry_points(group)})
+
+
+def allow_list_error(source: str, unknown: Iterable[str], installed: Sequence[str]) -> str:
+    """The message for an allow-list naming backends that are not installed."""
+    names = ", ".join(f"{n!r}{did_you_mean(n, installed)}" for n in sorted(unknown))
+    return (
+        f"{source} names backend(s) that are not installed: {names}; installed: {', '.join(installed) or 'none'}. "
+        "Fix the spelling, or install the backend's distribution"
+    )
+
+
 def _allow_from_env() -> frozenset[str] | None:
     raw = os.environ.get(ALLOW_ENV, "").strip()
     if not raw:
         return None
-    return frozenset(n.strip() for n in raw.split(",") if n.strip())
+    names = frozenset(n.strip() for n in raw.split(",") if n.strip())
+    if not names:
+        raise ConfigError(
+            f"${ALLOW_ENV}={raw!r} names no backend; list backend names separated by commas "
+            f"(installed: {', '.join(installed_backends()) or 'none'}), or unset it to allow every installed backend"
+        )
+    return names
 
 
 def _policy_from_env() -> Policy:
@@ -125,35 +100,13 @@ def _policy_from_env() -> Policy:
     return raw
 
 
-def _runtime_of(cls: Any) -> str:
-    """``"available"`` or ``"unavailable: <reason>"`` from the optional ``availability()`` classmethod.
-
-    A backend whose runtime (hardware, engine wheel) may be missing defines
-    ``availability() -> str | None`` returning the reason, found without heavy imports.
-    """
-    probe = getattr(cls, "availability", None)
-    if not callable(probe):
-        return "available"
-    try:
-        reason = probe()
-    except Exception as exc:  # a broken probe is reported, not raised
-        return f"unavailable: availability() raised {type(exc).__name__}: {exc}"
-    return "available" if reason is None else f"unavailable: {reason}"
-
-
-def _dist_of(ep: metadata.EntryPoint) -> tuple[str | None, str | None]:
-    dist = ep.dist
-    if dist is None:
-        return None, None
-    return dist.metadata["Name"], dist.version
-
-
 class Registry:
     """The set of backends one process can use.
 
     Args:
         allow: backend names that may be imported (None: ``$KVWIRE_BACKENDS``,
-            or every installed backend when that is unset or empty).
+            or every installed backend when that is unset or empty). Naming a
+            backend that is not installed makes :meth:`get` and :meth:`load` fail.
         policy: ``"strict"`` (drift raises :class:`BackendDriftError` at load) or
             ``"quarantine"`` (drifted backends are left out and logged).
             None: ``$KVWIRE_POLICY``, default ``strict``.
@@ -172,35 +125,45 @@ class Registry:
         if isinstance(allow, str):
             raise ConfigError(f"allow must be a collection of backend names, not the string {allow!r}")
         self.allow: frozenset[str] | None = frozenset(allow) if allow is not None else _allow_from_env()
+        self.allow_source = "allow" if allow is not None else f"${ALLOW_ENV}"
         self.policy: Policy = policy if policy is not None else _policy_from_env()
         self.group = group
-        self._infos: dict[str, BackendInfo] | None = None
+        self._catalog: dict[str, Entry] | None = None
+        self._loaded: dict[str, BackendInfo] = {}
+        self._runtime: dict[str, BackendInfo] = {}
         self._lock = threading.RLock()
 
     # -- discovery -----------------------------------------------------------
 
-    def scan(self) -> list[BackendInfo]:
-        """Discover, import (allowed only) and validate every backend; never raises for a bad one."""
+    def entries(self) -> dict[str, Entry]:
+        """Every installed backend by name, sorted, from metadata alone (nothing is imported)."""
         with self._lock:
-            if self._infos is None:
-                self._infos = self._discover()
-            return list(self._infos.values())
+            if self._catalog is None:
+                self._catalog = self._read_catalog()
+            return dict(self._catalog)
 
-    def _discover(self) -> dict[str, BackendInfo]:
+    def _read_catalog(self) -> dict[str, Entry]:
         by_name: dict[str, list[metadata.EntryPoint]] = {}
         for ep in _entry_points(self.group):
             by_name.setdefault(ep.name, []).append(ep)
-        infos: dict[str, BackendInfo] = {}
+        catalog: dict[str, Entry] = {}
         for name in sorted(by_name):
-            eps = sorted(by_name[name], key=lambda ep: _dist_of(ep)[0] or "")
-            if len(eps) > 1 and (self.allow is None or name in self.allow):
-                dists = [f"{d or '?'} {v or ''}".strip() for d, v in map(_dist_of, eps)]
-                infos[name] = self._duplicate(name, eps, dists)
-                continue
-            infos[name] = self._load(name, eps[0])
-        return infos
+            eps = sorted(by_name[name], key=lambda ep: dist_of(ep)[0] or "")
+            allowed = self.allow is None or name in self.allow
+            if len(eps) > 1 and allowed:
+                catalog[name] = self._duplicate(name, eps)
+            elif not allowed:
+                dist, version = dist_of(eps[0])
+                listed = ", ".join(sorted(self.allow or ())) or "empty"
+                error = f"not in the allow-list ({listed})"
+                catalog[name] = BackendInfo(name, dist, version, eps[0].value, "blocked", error=error)
+            else:
+                catalog[name] = eps[0]
+        return catalog
 
-    def _duplicate(self, name: str, eps: Sequence[metadata.EntryPoint], dists: Sequence[str]) -> BackendInfo:
+    @staticmethod
+    def _duplicate(name: str, eps: Sequence[metadata.EntryPoint]) -> BackendInfo:
+        dists = [f"{d or '?'} {v or ''}".strip() for d, v in map(dist_of, eps)]
         message = (
             f"backend name {name!r} is claimed by {len(eps)} distributions: {', '.join(dists)} "
             f"(entry points {', '.join(ep.value for ep in eps)}); uninstall all but one"
@@ -208,58 +171,40 @@ class Registry:
         log.error("kvwire: %s", message)
         return BackendInfo(name, ", ".join(dists), None, ", ".join(ep.value for ep in eps), "duplicate", error=message)
 
-    def _load(self, name: str, ep: metadata.EntryPoint) -> BackendInfo:
-        dist, version = _dist_of(ep)
-        if self.allow is not None and name not in self.allow:
-            return BackendInfo(
-                name,
-                dist,
-                version,
-                ep.value,
-                "blocked",
-                error=f"not in the allow-list ({', '.join(sorted(self.allow)) or 'empty'})",
-            )
-        try:
-            cls = ep.load()
-        except Exception as exc:  # an import error in one plugin must not stop the others
-            log.warning("kvwire: backend %r (%s %s) failed to import: %r", name, dist, version, exc)
-            return BackendInfo(name, dist, version, ep.value, "import-error", error=f"{type(exc).__name__}: {exc}")
-        return self._validated(name, cls, PluginOrigin(name, dist, version, ep.value))
+    def unknown_allowed(self) -> list[str]:
+        """Names in the allow-list that are neither installed nor registered at runtime."""
+        if self.allow is None:
+            return []
+        return sorted(self.allow - set(self.entries()) - set(self._runtime))
 
-    def _validated(self, name: str, cls: Any, origin: PluginOrigin) -> BackendInfo:
-        try:
-            result = validate_backend(cls, origin)
-        except Exception as exc:  # a validator bug must not take the other backends down
-            log.error("kvwire: validating backend %r raised %r", name, exc)
-            return BackendInfo(
-                name,
-                origin.distribution,
-                origin.version,
-                origin.entry_point,
-                "import-error",
-                error=f"validation raised {type(exc).__name__}: {exc}",
-            )
-        info = BackendInfo(
-            name,
-            origin.distribution,
-            origin.version,
-            origin.entry_point,
-            result.status,
-            result.spec_version,
-            result.declared_spec_version,
-            result.capabilities,
-            result.findings,
-            runtime=_runtime_of(cls) if result.status != "drift" else None,
-            cls=cls if isinstance(cls, type) else None,
-        )
-        if result.findings:
-            log.warning(
-                "kvwire: backend %r drifts from the spec:\n%s", name, "\n".join(f.render() for f in result.findings)
-            )
-        return info
+    def _check_allow_list(self) -> None:
+        unknown = self.unknown_allowed()
+        if unknown:
+            raise BackendLoadError(allow_list_error(self.allow_source, unknown, installed_backends(self.group)))
+
+    def _resolve(self, name: str, entry: Entry) -> BackendInfo:
+        if isinstance(entry, BackendInfo):
+            return entry
+        if name not in self._loaded:
+            self._loaded[name] = load_backend(name, entry, *dist_of(entry))
+        return self._loaded[name]
+
+    def scan(self) -> list[BackendInfo]:
+        """Import (allowed only) and validate every backend in this process; never raises for a bad one.
+
+        A plugin that hangs or kills the process at import cannot be survived
+        in-process: ``kvwire check`` runs each one in a child (:mod:`kvwire.isolation`).
+        """
+        with self._lock:
+            infos = [self._resolve(name, entry) for name, entry in self.entries().items()]
+            return infos + list(self._runtime.values())
 
     def load(self) -> list[BackendInfo]:
-        """:meth:`scan`, then apply the policy: under ``strict`` any drift raises."""
+        """:meth:`scan`, then apply the policy: under ``strict`` any drift raises.
+
+        An allow-list naming a backend that is not installed raises :class:`BackendLoadError` first.
+        """
+        self._check_allow_list()
         infos = self.scan()
         if self.policy == "strict":
             findings = [f for info in infos if info.status == "drift" for f in info.findings]
@@ -279,46 +224,73 @@ class Registry:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"name must be a non-empty str, got {name!r}")
         with self._lock:
-            infos = {i.name: i for i in self.scan()}
-            if name in infos:
-                taken = infos[name]
-                owner = taken.distribution or "a runtime registration"
+            taken = self._runtime[name] if name in self._runtime else self.entries().get(name)
+            if taken is not None:
+                if isinstance(taken, BackendInfo):
+                    owner, where = taken.distribution or "a runtime registration", taken.entry_point or taken.cls
+                else:
+                    owner, where = dist_of(taken)[0] or "?", taken.value
                 raise DuplicateBackendError(
-                    f"backend name {name!r} is already taken by {owner} ({taken.entry_point or taken.cls}); "
-                    "register under another name"
+                    f"backend name {name!r} is already taken by {owner} ({where}); register under another name"
                 )
             module = getattr(cls, "__module__", "?")
             qualname = getattr(cls, "__qualname__", repr(cls))
-            info = self._validated(name, cls, PluginOrigin(name, None, None, f"{module}:{qualname}"))
+            info = validated(name, cls, PluginOrigin(name, None, None, f"{module}:{qualname}"))
             if info.status == "drift" and self.policy == "strict":
                 raise BackendDriftError(info.findings)
-            assert self._infos is not None
-            self._infos[name] = info
+            self._runtime[name] = info
             return info
 
     # -- lookup ---------------------------------------------------------------
 
     def get(self, name: str) -> BackendInfo:
-        """The usable backend ``name``, or :class:`BackendLoadError` saying why not."""
-        infos = {i.name: i for i in self.load()}
-        info = infos.get(name)
-        if info is not None and info.usable:
-            return info
-        reason = "is not installed" if info is None else f"is not available ({info.reason()})"
-        raise BackendLoadError(f"backend {name!r} {reason}. {self._listing(infos.values())}")
+        """The usable backend ``name``, or :class:`BackendLoadError` saying why not.
 
-    @staticmethod
-    def _listing(infos: Iterable[BackendInfo]) -> str:
-        infos = list(infos)
-        ok = [f"{i.name} ({i.distribution or 'runtime'} {i.version or ''}".rstrip() + ")" for i in infos if i.usable]
-        bad = [f"{i.name} ({i.reason()})" for i in infos if not i.usable]
+        Only ``name``'s entry point is imported; the other installed backends are
+        listed from metadata. Under ``strict`` a drifted ``name`` raises :class:`BackendDriftError`.
+        """
+        with self._lock:
+            entries = self.entries()
+            if name in self._runtime:
+                info = self._runtime[name]
+            elif name in entries:
+                self._check_allow_list()
+                info = self._resolve(name, entries[name])
+            else:
+                hint = did_you_mean(name, [*entries, *self._runtime])
+                raise BackendLoadError(f"backend {name!r} is not installed{hint}. {self._listing()}")
+            if info.usable:
+                return info
+            if info.status == "drift" and self.policy == "strict":
+                raise BackendDriftError(info.findings)
+            if info.status == "import-error":
+                raise BackendImportError(
+                    f"{info.origin.describe()} failed to import: {info.error}. Fix or reinstall "
+                    f"{info.distribution or 'it'} (module {module_of(info.entry_point)}), or uninstall it; "
+                    "the other backends are unaffected"
+                )
+            raise BackendLoadError(f"backend {name!r} is not available ({info.reason()}). {self._listing()}")
+
+    def _listing(self) -> str:
+        """Usable (or installed, not yet imported) backends, then the others with why."""
+        ok: list[str] = []
+        bad: list[str] = []
+        known: list[Entry] = [self._loaded.get(n, e) for n, e in self.entries().items()]
+        for entry in [*known, *self._runtime.values()]:
+            if isinstance(entry, metadata.EntryPoint):
+                dist, version = dist_of(entry)
+                ok.append(f"{entry.name} ({dist or '?'} {version or ''}".rstrip() + ")")
+            elif entry.usable:
+                ok.append(f"{entry.name} ({entry.distribution or 'runtime'} {entry.version or ''}".rstrip() + ")")
+            else:
+                bad.append(f"{entry.name} ({entry.reason()})")
         text = f"Available: {', '.join(ok) or 'none'}."
         if bad:
             text += f" Not available: {'; '.join(bad)}."
         return text
 
     def supporting(self, features: Iterable[str]) -> list[BackendInfo]:
-        """Usable backends that declare every feature in ``features``."""
+        """Usable backends that declare every feature in ``features`` (imports every allowed backend)."""
         wanted = frozenset(features)
         return [i for i in self.load() if i.usable and wanted <= i.capabilities]
 

@@ -24,7 +24,7 @@ from kvwire.spec import CURRENT, PARAMETER_FEATURES, SpecHook, SpecVersion, feat
 
 __all__ = ["Status", "ValidationResult", "validate_backend"]
 
-Status = Literal["ok", "adapted", "drift", "import-error", "duplicate", "blocked"]
+Status = Literal["ok", "adapted", "drift", "import-error", "duplicate", "blocked", "timeout"]
 
 
 @dataclass(frozen=True)

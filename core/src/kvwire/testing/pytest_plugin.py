@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from kvwire.config import BackendConfig
+from kvwire.loading import did_you_mean
+from kvwire.registry import installed_backends
 from kvwire.testing.harness import ContractHarness
 
 
@@ -27,8 +29,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if config.getoption("--kvwire-backend"):
-        config.args.append(str(Path(__file__).with_name("contract.py")))
+    """Add the contract suite when a backend is named; a name that is not installed is one usage error."""
+    name = config.getoption("--kvwire-backend")
+    if not name:
+        return
+    installed = installed_backends()
+    if name not in installed:
+        raise pytest.UsageError(
+            f"--kvwire-backend {name}: no installed kvwire backend is named {name!r}{did_you_mean(name, installed)}; "
+            f"installed: {', '.join(installed) or 'none'}. Fix the name, or pip install the backend's distribution"
+        )
+    config.args.append(str(Path(__file__).with_name("contract.py")))
 
 
 @pytest.fixture(scope="session")
