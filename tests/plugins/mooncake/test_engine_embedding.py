@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
+import kvwire
 from kvwire.config import BackendConfig
 from kvwire_mooncake.engine import MooncakeEngine
 from kvwire_mooncake.engine_double import HostMemoryEngine
@@ -184,6 +185,7 @@ def test_host_engine_is_used_without_importing_mooncake(monkeypatch: pytest.Monk
 
 CHILD = """
 import json, os, sys
+import kvwire
 from kvwire.config import BackendConfig
 from kvwire_mooncake.engine import MooncakeEngine
 before = dict(os.environ)
@@ -240,3 +242,32 @@ def test_without_process_settings_the_environment_and_fd2_are_the_hosts() -> Non
     result, stderr = run_child(False)
     assert result == {"changed": {}, "removed": []}
     assert "Transfer Engine" in stderr  # the engine's own log reached the untouched fd 2
+
+
+@needs_engine
+@pytest.mark.timeout(60)
+def test_memory_the_host_registered_is_used_not_registered_again(real_engines: list[Any]) -> None:
+    """sglang registers its KV pools with its engine itself: with host_registered kvwire never re-registers."""
+    host, receiver = real_engines
+    size = 1 * MiB
+    data = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
+    target = np.zeros(size, dtype=np.uint8)
+    data_addr, target_addr = int(data.ctypes.data), int(target.ctypes.data)
+    assert host.register_memory(data_addr, size) == 0  # the host's own registration
+    assert receiver.register_memory(target_addr, size) == 0
+    session = f"127.0.0.1:{receiver.get_rpc_port()}"
+    config = BackendConfig(timeout_s=5, options={"engine": host, "host_registered": True})
+    eng = MooncakeEngine(config)
+    eng.register(data_addr, size)  # without host_registered this would be Mooncake's -7 (overlapping)
+    with pytest.raises(kvwire.InvalidTransferError, match=r"src\[0\] = .* is not inside registered local memory"):
+        eng.write(session, np.array([data_addr + size]), np.array([target_addr]), np.array([8]))
+    eng.write(session, np.array([data_addr]), np.array([target_addr]), np.array([size]))
+    eng.close()
+    assert sha256(target) == sha256(data)
+    assert host.unregister_memory(data_addr) == 0  # still the host's: kvwire did not unregister it
+    assert receiver.unregister_memory(target_addr) == 0
+
+
+def test_host_registered_needs_the_hosts_engine() -> None:
+    with pytest.raises(kvwire.ConfigError, match=r"options\['host_registered'\] applies to a host's own engine"):
+        MooncakeEngine(BackendConfig(options={"host_registered": True}), engine_factory=HostMemoryEngine)

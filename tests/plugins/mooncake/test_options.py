@@ -67,7 +67,10 @@ def test_inflight_below_per_call_is_refused() -> None:
 
 
 def test_unknown_key_names_it_lists_the_known_and_suggests() -> None:
-    known = "(known: 'engine', 'max_descriptors_per_call', 'max_inflight_per_peer')"
+    known = (
+        "(known: 'engine', 'host_registered', 'max_descriptors_per_call', 'max_inflight_per_peer', "
+        "'restrict_listeners')"
+    )
     fails(
         f"BackendConfig.options['max_descriptor_per_call'] is not a Mooncake option {known}; "
         "did you mean 'max_descriptors_per_call'?",

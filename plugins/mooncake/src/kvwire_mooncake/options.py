@@ -9,15 +9,29 @@ Keys (all optional):
 ``max_inflight_per_peer``
     Descriptors outstanding to one peer across all threads, 1..2048 (default
     1024), at least ``max_descriptors_per_call``.
+``restrict_listeners``
+    True (default) or False. Mooncake's handshake and TCP data listeners bind
+    every interface whatever ``BackendConfig.host`` says; by default kvwire
+    attaches a socket filter to the listeners of each engine it creates, so they
+    accept connections only on the host's addresses (see the plugin's README,
+    "Security"). False leaves them open on every interface (for NAT or
+    port-forwarding set-ups, where peers reach an address that is not the
+    host's). Never applies to a host's own ``engine``.
 ``engine``
     A Mooncake ``TransferEngine`` the host created and initialised itself, or
     None. kvwire then registers and writes through it and never creates, renews,
     or destroys an engine, nor touches the environment or fd 2 (see the
     plugin's README, "Embedding").
+``host_registered``
+    With ``engine`` only: True when the host has already registered the KV
+    memory with its engine (sglang registers its pools itself). kvwire then
+    records the layout's ranges for its own checks and never calls the engine's
+    ``register_memory``/``unregister_memory`` (default False).
 
-Integers may be given as decimal strings (the ``kvwire`` CLI passes strings);
-booleans are refused. Every error is a :class:`kvwire.ConfigError` naming
-``BackendConfig.options['<key>']``.
+Integers may be given as decimal strings (the ``kvwire`` CLI passes strings)
+and booleans are refused for them; ``restrict_listeners`` takes a bool or one of
+the strings ``true``/``false``/``1``/``0``/``yes``/``no``/``on``/``off``. Every
+error is a :class:`kvwire.ConfigError` naming ``BackendConfig.options['<key>']``.
 """
 
 from __future__ import annotations
@@ -39,6 +53,8 @@ __all__ = ["MAX_DESCRIPTORS_LIMIT", "MooncakeOptions"]
 #: Upper bound of both descriptor limits: Mooncake's TCP transport breaks beyond ~2060 queued per peer.
 MAX_DESCRIPTORS_LIMIT: Final = 2048
 _DECIMAL: Final = re.compile(r"[+-]?[0-9]+")
+_TRUE: Final = frozenset({"true", "1", "yes", "on"})
+_FALSE: Final = frozenset({"false", "0", "no", "off"})
 
 
 def _key(name: str) -> str:
@@ -55,6 +71,15 @@ def _as_int(name: str, value: object) -> int:
     if not 1 <= number <= MAX_DESCRIPTORS_LIMIT:
         raise ConfigError(f"{_key(name)} must be in [1, {MAX_DESCRIPTORS_LIMIT}], got {number}")
     return number
+
+
+def _as_bool(name: str, value: object) -> bool:
+    """``value`` as a bool: a bool, or one of the strings in ``_TRUE`` / ``_FALSE`` (any case)."""
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    if not isinstance(value, bool):
+        raise ConfigError(f"{_key(name)} must be a bool or 'true'/'false', got {type(value).__name__} {value!r}")
+    return value
 
 
 def _check_engine(engine: object) -> None:
@@ -76,8 +101,16 @@ class MooncakeOptions:
     max_descriptors_per_call: int = 1024
     max_inflight_per_peer: int = 1024
     engine: TransferEngineLike | None = None
+    restrict_listeners: bool = True
+    host_registered: bool = False
 
-    KEYS: ClassVar[tuple[str, ...]] = ("engine", "max_descriptors_per_call", "max_inflight_per_peer")
+    KEYS: ClassVar[tuple[str, ...]] = (
+        "engine",
+        "host_registered",
+        "max_descriptors_per_call",
+        "max_inflight_per_peer",
+        "restrict_listeners",
+    )
 
     def __post_init__(self) -> None:
         per_call = _as_int("max_descriptors_per_call", self.max_descriptors_per_call)
@@ -90,6 +123,13 @@ class MooncakeOptions:
             _check_engine(self.engine)
         object.__setattr__(self, "max_descriptors_per_call", per_call)
         object.__setattr__(self, "max_inflight_per_peer", inflight)
+        object.__setattr__(self, "restrict_listeners", _as_bool("restrict_listeners", self.restrict_listeners))
+        host_registered = _as_bool("host_registered", self.host_registered)
+        if host_registered and self.engine is None:
+            raise ConfigError(
+                f"{_key('host_registered')} applies to a host's own engine: pass BackendConfig.options['engine'] too"
+            )
+        object.__setattr__(self, "host_registered", host_registered)
 
     @classmethod
     def from_config(cls, config: BackendConfig) -> MooncakeOptions:

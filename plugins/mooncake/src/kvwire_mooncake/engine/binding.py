@@ -16,6 +16,7 @@ from typing import Final, Protocol
 
 from kvwire.config import BackendConfig
 from kvwire.errors import BackendUnavailableError
+from kvwire_mooncake.engine import confine
 from kvwire_mooncake.engine.environment import prepare_environment
 from kvwire_mooncake.engine.stderr import captured_stderr
 
@@ -135,7 +136,9 @@ def default_engine_factory() -> Callable[[], TransferEngineLike]:
     return factory
 
 
-def create_engine(factory: Callable[[], TransferEngineLike], config: BackendConfig) -> TransferEngineLike:
+def create_engine(
+    factory: Callable[[], TransferEngineLike], config: BackendConfig, *, restrict_listeners: bool = True
+) -> tuple[TransferEngineLike, confine.Confinement]:
     """A new engine from ``factory``, initialised with ``config``'s host, metadata server, protocol, device.
 
     With ``config.process_settings`` Mooncake's environment is set first
@@ -143,11 +146,17 @@ def create_engine(factory: Callable[[], TransferEngineLike], config: BackendConf
     is captured around creation so the engine's creation log stays off the
     terminal (it is quoted in the error when initialisation fails). Without it,
     neither the environment nor fd 2 is touched.
+
+    The listeners the engine opens (on every interface, whatever the host) are
+    then filtered to ``config.host``'s addresses unless ``restrict_listeners`` is
+    False; the returned :class:`~kvwire_mooncake.engine.confine.Confinement`
+    says what was done (and :class:`~kvwire_mooncake.engine.confine.ExposedListenerWarning`
+    is shown once per process if some stayed exposed). Per-socket, not process-wide.
     """
     if config.process_settings:
         prepare_environment(config)
     name = config.host
-    with captured_stderr(config.process_settings and not config.verbose) as log:
+    with confine.watch() as created, captured_stderr(config.process_settings and not config.verbose) as log:
         engine: TransferEngineLike | None = factory()
         assert engine is not None
         rc = int(engine.initialize(name, config.metadata_server, config.protocol, config.device))
@@ -159,13 +168,17 @@ def create_engine(factory: Callable[[], TransferEngineLike], config: BackendConf
             f"Mooncake engine initialize({name!r}, {config.metadata_server!r}, {config.protocol!r}, "
             f"{config.device!r}) returned {rc}{detail}"
         )
-    return engine
+    confinement = confine.confine(
+        created,
+        host=config.host,
+        rpc_port=int(engine.get_rpc_port()),
+        protocol=config.protocol,
+        restrict=restrict_listeners,
+    )
+    return engine, confinement
 
 
 def p2p_endpoint(host: str, port: int) -> str:
     """The engine's own P2P session name: ``host`` without any port, IPv6 in brackets, then the rpc port."""
-    if host.startswith("["):
-        host = host[1 : host.index("]")] if "]" in host else host[1:]
-    elif host.count(":") == 1:
-        host = host.split(":", 1)[0]
+    host = confine.bare_host(host)
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -199,6 +199,7 @@ class Dispatcher:
             if rc == 0:
                 with self._cond:
                     call.slot.succeeded.add(call.session_id)
+                    call.slot.forgotten.discard(call.session_id)  # back in use: no longer counts as gone
             return rc, elapsed
         finally:
             self._finish(call)

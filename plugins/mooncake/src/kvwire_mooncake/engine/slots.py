@@ -31,6 +31,7 @@ class Slot:
     retired: bool = False
     registered: set[int] = field(default_factory=set)
     succeeded: set[str] = field(default_factory=set)  # sessions written to successfully through this engine
+    forgotten: set[str] = field(default_factory=set)  # of those, the ones forget_peer dropped since
 
 
 class Slots:
@@ -127,6 +128,24 @@ class Slots:
     def retire_all(self) -> None:
         for slot in {id(s): s for s in (self.sender, self.primary)}.values():
             self.retire(slot)
+
+    @staticmethod
+    def filled(engine: TransferEngineLike, regions: tuple[tuple[int, int], ...], purpose: str) -> Slot:
+        """A new slot for ``engine`` with every range of ``regions`` registered; the engine is destroyed on failure.
+
+        Raises TransferError(code=...) naming ``purpose`` if a registration is refused.
+        """
+        slot = Slot(engine)
+        try:
+            for ptr, size in regions:
+                rc = int(engine.register_memory(ptr, size))
+                if rc != 0:
+                    raise TransferError(f"{purpose}: register_memory({ptr:#x}, {size}) returned {rc}", code=rc)
+                slot.registered.add(ptr)
+        except BaseException:
+            Slots.destroy_unused(slot)
+            raise
+        return slot
 
     @staticmethod
     def destroy_unused(slot: Slot) -> None:

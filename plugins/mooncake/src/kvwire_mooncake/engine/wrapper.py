@@ -8,6 +8,7 @@ together behind the methods a backend uses: ``register`` / ``unregister`` /
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -30,6 +31,7 @@ from kvwire_mooncake.engine.binding import (
     default_engine_factory,
     p2p_endpoint,
 )
+from kvwire_mooncake.engine.confine import Confinement
 from kvwire_mooncake.engine.dispatch import Chunk, Dispatcher, Lists, Outcome, Peer
 from kvwire_mooncake.engine.environment import prepare_environment
 from kvwire_mooncake.engine.slots import Slot, Slots
@@ -40,6 +42,8 @@ __all__ = ["MooncakeEngine"]
 
 #: Fewest seconds between two renewals of the sending engine for one peer.
 RENEW_INTERVAL_S: Final = 30.0
+#: Forgotten peers the sending engine may keep connections to before it is replaced (see ``forget_peer``).
+RECYCLE_AFTER_FORGOTTEN: Final = 64
 _NO_RENEWAL: Final = (
     "kvwire does not renew an engine the host supplied (BackendConfig.options['engine']); "
     "recreate it in the host, or let kvwire create its own"
@@ -71,18 +75,22 @@ class MooncakeEngine:
         self.options = MooncakeOptions.from_config(config)
         self._p2p = config.metadata_server == P2P_HANDSHAKE
         self._factory: Callable[[], TransferEngineLike] | None = None
+        self._confinement = Confinement(config.host)
         engine = self.options.engine
         if engine is None:
             if config.process_settings:
                 prepare_environment(config)  # before the import: MC_LOG_LEVEL is read then
             self._factory = engine_factory if engine_factory is not None else default_engine_factory()
-            engine = create_engine(self._factory, config)
+            engine, self._confinement = create_engine(
+                self._factory, config, restrict_listeners=self.options.restrict_listeners
+            )
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # in-flight budgets
         self._admin = threading.RLock()  # register / unregister / renew / close
         self._regions = RegionSet()
         self._slots = Slots(self._lock, engine, owned=self._factory is not None)
         self._renewals = 0
+        self._recycles = 0
         port = int(engine.get_rpc_port())
         self._endpoint = p2p_endpoint(config.host, port) if self._p2p else config.host
         self._workers = Workers(f"kvwire-mooncake-{port}")
@@ -107,6 +115,19 @@ class MooncakeEngine:
         return self._endpoint
 
     @property
+    def recycles(self) -> int:
+        """How many times the sending engine was replaced to drop the connections of forgotten peers."""
+        return self._recycles
+
+    @property
+    def confinement(self) -> Confinement:
+        """Where the receiving engine's listeners accept connections (see :mod:`kvwire_mooncake.engine.confine`).
+
+        Empty for a host's engine (kvwire does not touch its sockets) and off Linux.
+        """
+        return self._confinement
+
+    @property
     def registered(self) -> tuple[tuple[int, int], ...]:
         """The registered local ranges, ``(address, nbytes)``, by address."""
         return self._regions.items()
@@ -129,7 +150,8 @@ class MooncakeEngine:
         with self._admin:
             self._check_open()
             self._regions.require_free(ptr, nbytes)
-            self._slots.register(ptr, nbytes)
+            if not self.options.host_registered:  # else the host's engine has it registered already
+                self._slots.register(ptr, nbytes)
             self._regions.add(ptr, nbytes)
 
     def unregister(self, ptr: int) -> None:
@@ -137,7 +159,8 @@ class MooncakeEngine:
         ptr = int(ptr)
         with self._admin:
             self._regions.remove(ptr)
-            self._slots.unregister(ptr)
+            if not self.options.host_registered:
+                self._slots.unregister(ptr)
 
     def unregister_all(self) -> None:
         """Unregister every registered range; raises the first failure after trying all."""
@@ -152,16 +175,33 @@ class MooncakeEngine:
             raise first
 
     def forget_peer(self, session_id: str) -> None:
-        """Drop the bookkeeping kept for a peer that is gone (in-flight budget, renewal interval); idempotent.
+        """Drop what is kept for a peer that is gone (in-flight budget, renewal interval); idempotent.
 
         A call still inside the engine keeps holding the peer's budget until it
-        returns. What the engine remembers itself is kept: if a write through
-        this engine to ``session_id`` ever succeeded, a later failure to a new
-        peer at the same endpoint may still renew the sending engine (Mooncake
-        caches the old peer's segment for good, so that is the only way to
-        reach the new one).
+        returns. Mooncake itself keeps each peer's pooled data connections (up
+        to ``MC_TCP_LANES_PER_PEER``, default 4, sockets; they sit in CLOSE_WAIT
+        once the peer died) and its segment descriptor until the engine is
+        destroyed, and its binding has no call to drop them. So once
+        ``RECYCLE_AFTER_FORGOTTEN`` forgotten peers were written to through the
+        current sending engine (TCP, P2P, an engine kvwire created), it is
+        replaced by a fresh one and destroyed, which closes those sockets (the
+        receiving engine, and so :attr:`endpoint`, stays). A failure to create
+        the fresh engine is left for the next call.
         """
         self._dispatch.forget(session_id)
+        with self._lock:
+            sender = self._slots.sender
+            if session_id not in sender.succeeded:
+                return
+            sender.forgotten.add(session_id)
+            due = len(sender.forgotten) >= RECYCLE_AFTER_FORGOTTEN
+        if due and self._factory is not None and self._p2p and self.config.protocol == "tcp":
+            with self._admin, contextlib.suppress(Exception):
+                with self._lock:
+                    if self._dispatch.closed or self._slots.sender is not sender:
+                        return
+                self._install_fresh_sender(self._factory, "recycling the sending Mooncake engine")
+                self._recycles += 1
 
     @contextmanager
     def borrow(self) -> Iterator[TransferEngineLike]:
@@ -325,18 +365,11 @@ class MooncakeEngine:
                 peer.last_renewal = now
                 if self._slots.sender is not old:
                     return True  # another thread renewed it meanwhile
-            slot = Slot(create_engine(factory, self.config))
-            try:
-                for ptr, size in self._regions.items():
-                    assert slot.engine is not None
-                    rc = int(slot.engine.register_memory(ptr, size))
-                    if rc != 0:
-                        message = f"renewing the Mooncake engine: register_memory({ptr:#x}, {size}) returned {rc}"
-                        raise TransferError(message, code=rc)
-                    slot.registered.add(ptr)
-            except BaseException:
-                Slots.destroy_unused(slot)
-                raise
-            self._slots.install_sender(slot)
+            self._install_fresh_sender(factory, "renewing the Mooncake engine")
             self._renewals += 1
             return True
+
+    def _install_fresh_sender(self, factory: Callable[[], TransferEngineLike], purpose: str) -> None:
+        """A new engine with all memory registered becomes the sender; the old one is retired (unless primary)."""
+        engine, _ = create_engine(factory, self.config, restrict_listeners=self.options.restrict_listeners)
+        self._slots.install_sender(Slots.filled(engine, self._regions.items(), purpose))
