@@ -237,3 +237,28 @@ def test_remove_peer_on_an_adapted_backend_drops_only_the_connection_record(regi
     conn = registry.connect("old")
     conn.remove_peer("p")  # spec 1.1: no remove_peer hook; nothing reaches the backend
     assert conn.backend.calls == []
+
+
+def test_different_attention_tp_needs_head_slicing_before_the_first_send(registry: kvwire.Registry) -> None:
+    """A backend that does not declare head_slicing is refused a peer of another TP size at add_peer."""
+    registry.register("recorder", Recorder)  # capabilities without head_slicing
+    k, v = np.zeros((4, 2 * 4 * 8), np.uint8), np.zeros((4, 2 * 4 * 8), np.uint8)  # 4 heads x 4 B x 2 tokens
+    peer_k, peer_v = np.zeros((4, 2 * 2 * 8), np.uint8), np.zeros((4, 2 * 2 * 8), np.uint8)
+    local = KVLayout.mha(
+        [k], [v], attn_tp_size=1, attn_tp_rank=0, heads=kvwire.HeadLayout(4, 4, 4, 2, 2)
+    )
+    peer = KVLayout.mha(
+        [peer_k], [peer_v], attn_tp_size=2, attn_tp_rank=1, heads=kvwire.HeadLayout(2, 4, 4, 2, 2)
+    )
+    conn = registry.connect("recorder")
+    conn.register_kv_buffers(local)
+    with pytest.raises(kvwire.UnsupportedFeatureError) as exc:
+        conn.add_peer("p", peer)
+    assert str(exc.value) == (
+        f"backend 'recorder' (spec {kvwire.SPEC_VERSION}) does not support 'head_slicing', needed for peer 'p': "
+        "attention TP size 1 here, 2 there; nothing was sent"
+    )
+    assert [c[0] for c in conn.backend.calls] == ["register_kv_buffers"]
+    with kvwire.connect("local") as local_conn:  # the shipped backends have it, through the base
+        local_conn.register_kv_buffers(local)
+        local_conn.add_peer("p", peer)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
 
 from kvwire import KVBuffer, KVLayout, LayoutError
+from kvwire.layout import HeadLayout
 
 
 def test_mha_from_numpy_orders_k_then_v() -> None:
@@ -92,3 +94,89 @@ def test_from_torch_cpu_tensors() -> None:
     assert {b.memory for b in layout.buffers} == {"host"}
     with pytest.raises(LayoutError, match="must be contiguous"):
         KVLayout.mla([torch.zeros((4, 4)).t()])
+
+
+# -- TP fields: attn_tp_rank and heads (optional on the wire) -------------------------------
+
+_BUFFERS = (
+    '[{"base": 4096, "page_bytes": 32, "num_pages": 4, "layer": 0, "role": "k", "memory": "host"},'
+    ' {"base": 8192, "page_bytes": 32, "num_pages": 4, "layer": 0, "role": "v", "memory": "host"}]'
+)
+
+
+def _description(extra: str) -> str:
+    return '{"format": "kvwire.layout", "version": 1, "buffers": ' + _BUFFERS + extra + "}"
+
+
+def test_tp_fields_round_trip_and_are_omitted_when_absent() -> None:
+    heads = HeadLayout(kv_heads=2, total_kv_heads=4, head_dim=4, elem_bytes=2, tokens_per_page=2)
+    k, v = np.zeros((4, 2, 2, 4), np.float16), np.zeros((4, 2, 2, 4), np.float16)
+    layout = KVLayout.mha([k], [v], attn_tp_size=2, attn_tp_rank=1, heads=heads)
+    data = json.loads(layout.to_json())
+    assert data["attn_tp_size"] == 2 and data["attn_tp_rank"] == 1
+    assert data["heads"] == {"kv_heads": 2, "total_kv_heads": 4, "head_dim": 4, "elem_bytes": 2, "tokens_per_page": 2}
+    assert KVLayout.from_json(layout.to_json()) == layout
+    plain = KVLayout.mha([k], [v])
+    assert set(json.loads(plain.to_json())) == {"format", "version", "buffers"}  # readable by older kvwire
+    mla = KVLayout.mla([np.zeros((4, 8), np.uint8)], attn_tp_size=4, attn_tp_rank=3)
+    assert KVLayout.from_json(mla.to_json()) == mla
+
+
+def test_an_older_description_without_tp_fields_still_parses() -> None:
+    layout = KVLayout.from_json(_description(', "attn_tp_size": 2'))
+    assert (layout.attn_tp_size, layout.attn_tp_rank, layout.heads) == (2, None, None)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (', "attn_tp_rank": 0', "KVLayout.attn_tp_rank needs attn_tp_size"),
+        (', "attn_tp_size": 2, "attn_tp_rank": 2', "KVLayout.attn_tp_rank = 2 is out of range: attn_tp_size is 2"),
+        (', "attn_tp_size": 2, "attn_tp_rank": true', "KVLayout.attn_tp_rank must be an int, got bool True"),
+        (', "attn_tp_size": 2, "attn_tp_rank": 1.0', "KVLayout.attn_tp_rank must be an int, got float 1.0"),
+        (', "attn_tp_size": 1, "attn_tp_rank": 0, "heads": 3', "heads must be an object"),
+        (
+            ', "attn_tp_size": 1, "attn_tp_rank": 0, "heads": {"kv_heads": 2}',
+            "heads has missing fields ['total_kv_heads', 'head_dim', 'elem_bytes', 'tokens_per_page']",
+        ),
+        (
+            ', "attn_tp_size": 1, "attn_tp_rank": 0, "heads": {"kv_heads": 2, "total_kv_heads": 2, "head_dim": 4,'
+            ' "elem_bytes": 2, "tokens_per_page": 2, "dtype": "fp16"}',
+            "heads has missing fields [] / unknown fields ['dtype']",
+        ),
+        (
+            ', "attn_tp_size": 1, "attn_tp_rank": 0, "heads": {"kv_heads": 2, "total_kv_heads": 2, "head_dim": "4",'
+            ' "elem_bytes": 2, "tokens_per_page": 2}',
+            "heads: HeadLayout.head_dim must be an int, got str '4'",
+        ),
+        (
+            ', "attn_tp_size": 1, "attn_tp_rank": 0, "heads": {"kv_heads": 2, "total_kv_heads": 2, "head_dim": 4,'
+            ' "elem_bytes": 3, "tokens_per_page": 2}',
+            "heads: HeadLayout.elem_bytes must be one of (1, 2, 4, 8), got 3",
+        ),
+        (
+            ', "attn_tp_size": 1, "attn_tp_rank": 0, "heads": {"kv_heads": 2, "total_kv_heads": 2, "head_dim": 2,'
+            ' "elem_bytes": 2, "tokens_per_page": 2}',
+            "KVLayout.buffers[0].page_bytes = 32, but heads say kv_heads 2 x head_dim 2 x elem_bytes 2 x "
+            "tokens_per_page 2 = 16",
+        ),
+        (
+            ', "attn_tp_size": 4, "attn_tp_rank": 0, "heads": {"kv_heads": 2, "total_kv_heads": 2, "head_dim": 4,'
+            ' "elem_bytes": 2, "tokens_per_page": 2}',
+            "HeadLayout.kv_heads = 2, but total_kv_heads = 2 over attn_tp_size = 4 gives 1 per rank",
+        ),
+        (', "attn_tp_size": 1, "rank": 0', "unknown fields ['rank']"),
+    ],
+)
+def test_malformed_tp_fields_are_layout_errors(extra: str, message: str) -> None:
+    with pytest.raises(LayoutError, match="^layout description: " + re.escape(message)):
+        KVLayout.from_json(_description(extra))
+
+
+def test_peer_description_carries_the_tp_fields() -> None:
+    from kvwire.peer import PeerDescription
+
+    heads = HeadLayout(1, 2, 4, 2, 2)
+    layout = KVLayout((KVBuffer(4096, 16, 4, 0, "k"), KVBuffer(8192, 16, 4, 0, "v")), 2, 1, heads)
+    parsed = PeerDescription.from_dict(json.loads(json.dumps(PeerDescription("ep", layout).to_dict())))
+    assert parsed.layout == layout and parsed.layout.heads == heads and parsed.layout.attn_tp_rank == 1

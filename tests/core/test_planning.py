@@ -756,3 +756,147 @@ def test_strided_index_arrays() -> None:
     assert plan.dst.tolist() == [(1 << 30) + p * 64 for p in (4, 5, 6, 7)]
     with pytest.raises(InvalidTransferError, match=r"^prefill_kv_indices\[1\] = -3 is negative"):
         plan_transfer(local, peer, -src, ptrs(peer), dst)
+
+
+# -- repeated destination pages (issue 11 item 8) ----------------------------------------
+
+
+def test_repeated_destination_page_names_both_positions() -> None:
+    local, peer = mla(2, 1 << 20), mla(2, 1 << 30)
+    dst = idx(0, 1, 2, 12, 4, 5, 6, 12)
+    with raises("dst_kv_indices[7] = 12 repeats dst_kv_indices[3]"):
+        plan_transfer(local, peer, idx(0, 1, 2, 3, 4, 5, 6, 7), ptrs(peer), dst)
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_repeat_inside_a_run_and_first_repeat_wins(coalesce: bool) -> None:
+    local, peer = mla(1, 1 << 20), mla(1, 1 << 30)
+    # runs [0..2] -> [4..6] and [3] -> [5]: the second run overlaps the first
+    with raises("dst_kv_indices[3] = 5 repeats dst_kv_indices[1]"):
+        plan_transfer(local, peer, idx(0, 1, 2, 3), ptrs(peer), idx(4, 5, 6, 5), coalesce=coalesce)
+    with raises("dst_kv_indices[2] = 5 repeats dst_kv_indices[0]"):  # the first position that repeats
+        plan_transfer(local, peer, idx(0, 1, 2, 3), ptrs(peer), idx(5, 6, 5, 6), coalesce=coalesce)
+
+
+def test_repeat_in_a_long_request() -> None:
+    """More runs than the small-request path handles: the sorted (numpy) path finds it."""
+    local, peer = mla(2, 1 << 20, pages=512), mla(2, 1 << 30, pages=512)
+    rng = np.random.default_rng(8)
+    dst = (rng.permutation(200)[:100] * 2).astype(np.int64)  # 100 runs of one page, scattered
+    plan_transfer(local, peer, np.arange(100, dtype=np.int64), ptrs(peer), dst)
+    dst[90] = dst[40]
+    with raises(f"dst_kv_indices[90] = {dst[40]} repeats dst_kv_indices[40]"):
+        plan_transfer(local, peer, np.arange(100, dtype=np.int64), ptrs(peer), dst)
+    ascending = np.arange(0, 300, 3, dtype=np.int64)  # ascending runs: the one-comparison path
+    plan_transfer(local, peer, np.arange(100, dtype=np.int64), ptrs(peer), ascending)
+    ascending[50] = ascending[49]
+    with raises(f"dst_kv_indices[50] = {ascending[49]} repeats dst_kv_indices[49]"):
+        plan_transfer(local, peer, np.arange(100, dtype=np.int64), ptrs(peer), ascending)
+
+
+def test_repeated_device_page(hisparse: tuple[KVLayout, KVLayout]) -> None:
+    local, peer = hisparse
+    with raises("dst_device_kv_indices[1] = 21 repeats dst_device_kv_indices[0]"):
+        plan_transfer(local, peer, idx(1, 2), ptrs(peer), idx(7, 8), None, idx(21, 21))
+    with raises("dst_kv_indices[1] = 7 repeats dst_kv_indices[0]"):
+        plan_transfer(local, peer, idx(1, 2), ptrs(peer), idx(7, 7), None, idx(21, 22))
+
+
+def test_repeats_only_matter_in_an_index_set_the_request_uses(hisparse: tuple[KVLayout, KVLayout]) -> None:
+    """A stage mapped onto device layers only: dst_kv_indices addresses nothing (nor is it range-checked)."""
+    _, peer = hisparse
+    local = KVLayout((KVBuffer(1000, 100, 9, 0),))
+    plan = plan_transfer(local, peer, idx(1, 2), ptrs(peer), idx(7, 7), [1], idx(21, 22))
+    assert triples(plan) == [(1100, 22100, 200)]
+
+
+def test_repeated_source_pages_are_fine() -> None:
+    local, peer = mla(1, 1 << 20), mla(1, 1 << 30)
+    plan = plan_transfer(local, peer, idx(3, 3, 3), ptrs(peer), idx(0, 1, 2))
+    src = (1 << 20) + 192
+    assert triples(plan) == [(src, 1 << 30, 64), (src, (1 << 30) + 64, 64), (src, (1 << 30) + 128, 64)]
+
+
+def test_safety_net_refuses_an_empty_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    local, peer = mla(1, 1 << 20), mla(1, 1 << 30)
+
+    def broken_runs(src: Any, dst: Any, coalesce: bool) -> Any:
+        return src[:1], dst[:1], np.array([0], dtype=np.int64)
+
+    monkeypatch.setattr(planning, "_runs", broken_runs)
+    with raises("internal planning error: run 0 has 0 pages; no plan was returned"):
+        plan_transfer(local, peer, idx(1, 2), ptrs(peer), idx(3, 4))
+
+
+# -- output buffers: pooled, never shared with a live plan (issue 12 item 3) ---------------
+
+
+def test_a_live_plan_is_never_overwritten() -> None:
+    local, peer = mha([0, 1], 1 << 20), mha([0, 1], 1 << 30)
+    first = plan_transfer(local, peer, idx(1, 5, 9), ptrs(peer), idx(2, 3, 8))
+    single = plan_transfer(local, peer, idx(11), ptrs(peer), idx(12))  # the one-page path
+    kept = [a.copy() for a in (first.src, first.dst, first.length, single.src, single.dst)]
+    chunk = next(first.chunks(2))
+    kept_chunk = chunk.src.copy()
+    for k in range(20):  # more plans than the pool holds slabs, of both paths
+        other = plan_transfer(local, peer, idx(k % 16, (k + 7) % 16), ptrs(peer), idx(0, 15))
+        one = plan_transfer(local, peer, idx(k % 16), ptrs(peer), idx(k % 16))
+        assert not np.shares_memory(other.src, first.src) and not np.shares_memory(one.src, single.src)
+    for got, want in zip((first.src, first.dst, first.length, single.src, single.dst), kept, strict=True):
+        np.testing.assert_array_equal(got, want)
+    del first
+    plan_transfer(local, peer, idx(4, 6, 10), ptrs(peer), idx(1, 4, 9))
+    np.testing.assert_array_equal(chunk.src, kept_chunk)  # a chunk alone keeps its memory
+
+
+def test_a_dropped_plan_s_memory_is_reused() -> None:
+    local, peer = mha([0, 1], 1 << 20), mha([0, 1], 1 << 30)
+    first = plan_transfer(local, peer, idx(1, 5, 9), ptrs(peer), idx(2, 3, 8))
+    address = first.src.ctypes.data
+    del first
+    second = plan_transfer(local, peer, idx(2, 6, 10), ptrs(peer), idx(2, 3, 8))
+    assert second.src.ctypes.data == address
+
+
+def test_plan_arrays_cannot_be_made_writeable_when_shared() -> None:
+    """Constant lengths (every run one page) are shared between plans, on memory nobody can write."""
+    local, peer = mla(2, 1 << 20), mla(2, 1 << 30)
+    for plan in (
+        plan_transfer(local, peer, idx(1), ptrs(peer), idx(3)),  # the one-page path
+        plan_transfer(local, peer, idx(1, 5), ptrs(peer), idx(3, 9)),  # runs of one page
+    ):
+        assert plan.length.tolist() == [64] * len(plan)
+        with pytest.raises(ValueError, match=r"read-only|cannot set WRITEABLE"):
+            plan.length.flags.writeable = True
+        for a in (plan.src, plan.dst):
+            with pytest.raises(ValueError, match="read-only"):
+                a[0] = 0
+
+
+def test_plans_from_many_threads_are_right() -> None:
+    import concurrent.futures
+
+    local, peer = mha([0, 1, 2], 1 << 20, pages=64), mha([0, 1, 2], 1 << 30, pages=64)
+    rng = np.random.default_rng(3)
+    requests = [(rng.permutation(64)[:20], rng.permutation(64)[:20]) for _ in range(32)]
+    expected = [triples(plan_transfer(local, peer, s, ptrs(peer), d)) for s, d in requests]
+
+    def job(k: int) -> list[tuple[int, int, int]]:
+        plans = []  # held together: each thread's pool hands out several slabs at once
+        for i in range(8):
+            src, dst = requests[(k + i) % 32]
+            plans.append(plan_transfer(local, peer, src, ptrs(peer), dst))
+        return [t for p in plans for t in triples(p)]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for k, got in enumerate(pool.map(job, range(32))):
+            assert got == [t for i in range(8) for t in expected[(k + i) % 32]]
+
+
+def test_one_page_with_different_page_sizes() -> None:
+    local = KVLayout((KVBuffer(1 << 20, 64, 16, 0), KVBuffer(1 << 21, 32, 16, 1)))
+    peer = KVLayout((KVBuffer(1 << 30, 64, 16, 0), KVBuffer(1 << 31, 32, 16, 1)))
+    plan = plan_transfer(local, peer, idx(2), ptrs(peer), idx(3))
+    assert triples(plan) == [((1 << 20) + 128, (1 << 30) + 192, 64), ((1 << 21) + 64, (1 << 31) + 96, 32)]
+    with raises("prefill_kv_indices[0] = 16 is out of range: local buffer 0 (layer 0, kv) has 16 pages"):
+        plan_transfer(local, peer, idx(16), ptrs(peer), idx(3))

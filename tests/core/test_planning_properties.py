@@ -6,6 +6,10 @@ draws fragmented page sets, applies the plan with ``memmove`` and compares every
 byte of every buffer with what a plain Python loop, one page at a time, says
 must happen.
 
+Now and then a destination page id is drawn twice: the request must then be
+refused, naming the first repeat and its first occurrence, and the reference
+is not asked.
+
 The destination rule the reference applies is a property of the PEER LAYOUT,
 not of the request: when the peer layout has both host and device buffers (a
 split destination), host buffers take ``dst_kv_indices`` and device buffers
@@ -19,6 +23,7 @@ targets only one kind of a split layout (sglang issue #31482).
 from __future__ import annotations
 
 import ctypes
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,7 +146,39 @@ def cases(draw: st.DrawFn) -> Case:
     prefill = page_ids(rng, modes[0], n, local_pages).astype(int_type)
     host = page_ids(rng, modes[1], n, host_space).astype(int_type)
     device = page_ids(rng, modes[2], n, device_pages).astype(int_type) if split and targets_device else None
+    if n >= 2 and draw(st.integers(0, 9)) == 0:  # a repeated destination page
+        ids = host if device is None or draw(st.booleans()) else device
+        i, j = sorted(draw(st.lists(st.integers(0, n - 1), min_size=2, max_size=2, unique=True)))
+        ids[j] = ids[i]
     return Case(local, peer, local_arrays, peer_arrays, prefill, host, device, layer_ids)
+
+
+def first_repeat(name: str, ids: NDArray[Any] | None) -> str | None:
+    """``name[j] = v repeats name[i]`` for the first position j whose id came before (at i), else None."""
+    seen: dict[int, int] = {}
+    for j, v in enumerate([] if ids is None else ids.tolist()):
+        if v in seen:
+            return f"{name}[{j}] = {v} repeats {name}[{seen[v]}]"
+        seen[v] = j
+    return None
+
+
+def expected_repeat(case: Case) -> str | None:
+    """The refusal due for a repeated destination page, over the index sets the request uses (host first)."""
+    host_used = not layout_is_split(case.peer) or any(case.peer.buffers[j].memory == "host" for _, j in targets(case))
+    return (first_repeat("dst_kv_indices", case.host) if host_used else None) or first_repeat(
+        "dst_device_kv_indices", case.device
+    )
+
+
+def refused_for_repeat(case: Case, coalesce: bool = True) -> bool:
+    """True (after checking the refusal) when the case repeats a destination page: the reference is not asked."""
+    message = expected_repeat(case)
+    if message is None:
+        return False
+    with pytest.raises(InvalidTransferError, match="^" + re.escape(message)):
+        plan_of(case, coalesce)
+    return True
 
 
 def pair_targets(local: KVLayout, peer: KVLayout, layer_ids: list[int] | None) -> list[tuple[int, int]]:
@@ -216,6 +253,8 @@ def plan_of(case: Case, coalesce: bool = True) -> TransferPlan:
 @SETTINGS
 @given(cases())
 def test_same_bytes_land_in_the_same_places_and_nothing_else_changes(case: Case) -> None:
+    if refused_for_repeat(case):
+        return
     local_before = [a.copy() for a in case.local_arrays]
     expected = [a.copy() for a in case.peer_arrays]
     for i, j in targets(case):  # the reference, one page at a time
@@ -239,6 +278,8 @@ def test_same_bytes_land_in_the_same_places_and_nothing_else_changes(case: Case)
 @SETTINGS
 @given(cases(), st.booleans())
 def test_descriptors_equal_the_per_page_reference(case: Case, coalesce: bool) -> None:
+    if refused_for_repeat(case, coalesce):
+        return
     plan = plan_of(case, coalesce)
     page_bytes = case.local.buffers[0].page_bytes
     pairs = targets(case)
@@ -271,6 +312,8 @@ def test_descriptors_equal_the_per_page_reference(case: Case, coalesce: bool) ->
 @SETTINGS
 @given(cases(), st.integers(1, 7))
 def test_chunks_concatenate_to_the_plan(case: Case, size: int) -> None:
+    if refused_for_repeat(case):
+        return
     plan = plan_of(case)
     chunks = list(plan.chunks(size))
     assert all(1 <= len(c) <= size for c in chunks)

@@ -28,7 +28,7 @@ from kvwire.errors import (
     UnsupportedFeatureError,
 )
 from kvwire.findings import Finding
-from kvwire.layout import KVBuffer, KVLayout, LayoutError
+from kvwire.layout import HeadLayout, KVBuffer, KVLayout, LayoutError
 from kvwire.markers import ENTRY_POINT_GROUP, hookimpl, hookspec
 from kvwire.peer import PeerDescription
 from kvwire.planning import TransferPlan, TransferRequest, plan_transfer
@@ -56,6 +56,7 @@ __all__ = [
     "Connection",
     "DuplicateBackendError",
     "Finding",
+    "HeadLayout",
     "InvalidTransferError",
     "KVBuffer",
     "KVLayout",

@@ -22,6 +22,7 @@ _OTHER_FEATURES: Mapping[str, str] = {
     "host_memory": "sends from / receives into host DRAM buffers",
     "device_memory": "sends from / receives into accelerator memory buffers",
     "interprocess": "reaches peers in other processes and on other hosts",
+    "head_slicing": "sends head slices per token: prefill and decode with different attention TP sizes",
     "raw_write": "offers Connection.raw_write: the bare engine call on a plan (benchmarks compare against it)",
 }
 

@@ -26,7 +26,7 @@ from kvwire.config import BackendConfig
 from kvwire.errors import BackendError, ConfigError, InvalidTransferError, KvwireError, UnsupportedFeatureError
 from kvwire.layout import KVLayout
 from kvwire.markers import IMPL_ATTR, PROJECT_NAME
-from kvwire.planning import TransferPlan, TransferRequest, check_peer_shape
+from kvwire.planning import TransferPlan, TransferRequest, check_peer_shape, needs_head_slicing
 from kvwire.spec import CURRENT, BackendSpec, spec_hooks
 
 __all__ = ["Connection"]
@@ -128,6 +128,8 @@ class Connection:
         if not isinstance(layout, KVLayout):
             raise ConfigError(f"layout must be a kvwire.KVLayout, got {type(layout).__name__}")
         self._check_layout(layout, "the local layout")
+        for session_id, peer in self._peers.items():
+            self._check_pair(layout, peer, session_id)
         self._local = None
         self._call("register_kv_buffers", layout=layout)
         self._local = layout
@@ -136,6 +138,14 @@ class Connection:
         self._require(frozenset({layout.attention}), f"{what} ({layout.attention.upper()} buffers)")
         for kind in sorted({b.memory for b in layout.buffers}):
             self._require(frozenset({MEMORY_FEATURES[kind]}), f"{what} ({kind} buffers)")
+
+    def _check_pair(self, local: KVLayout, peer: KVLayout, session_id: str) -> None:
+        """Different attention TP sizes on the two sides need head slicing (checked before the first send)."""
+        if needs_head_slicing(local, peer):
+            self._require(
+                frozenset({"head_slicing"}),
+                f"peer {session_id!r}: attention TP size {local.attn_tp_size} here, {peer.attn_tp_size} there",
+            )
 
     def endpoint(self) -> str:
         """The id a peer passes as ``session_id`` to reach this endpoint."""
@@ -153,6 +163,8 @@ class Connection:
         if not isinstance(layout, KVLayout):
             raise ConfigError(f"layout must be a kvwire.KVLayout, got {type(layout).__name__}")
         self._check_layout(layout, f"peer {session_id!r}")
+        if self._local is not None:
+            self._check_pair(self._local, layout, session_id)
         self._call("add_peer", session_id=session_id, layout=layout)
         self._peers[session_id] = layout
 

@@ -9,6 +9,12 @@ of HiSparse mixes both, and the kind decides which page ids address a buffer.
 The order of ``buffers`` is the order of ``dst_kv_ptrs`` in ``send_kvcache``
 (sglang's: every K buffer by layer, then every V buffer).
 
+With tensor parallelism a layout may also say where it sits in its
+attention-TP group (``attn_tp_size``, ``attn_tp_rank``) and, for MHA/GQA, how
+its pages hold KV heads (:class:`HeadLayout`), so that a prefill and a decode
+of different TP sizes can exchange head slices (see :mod:`kvwire.slicing`).
+MLA is never head-sliced (every rank holds the whole latent).
+
 A layout travels to peers as JSON (:meth:`KVLayout.to_json`); the format is
 versioned and parsed strictly, since it comes over the wire.
 """
@@ -27,7 +33,16 @@ from numpy.typing import NDArray
 
 from kvwire.errors import KvwireError
 
-__all__ = ["LAYOUT_FORMAT", "LAYOUT_FORMAT_VERSION", "KVBuffer", "KVLayout", "LayoutError", "MemoryKind", "Role"]
+__all__ = [
+    "LAYOUT_FORMAT",
+    "LAYOUT_FORMAT_VERSION",
+    "HeadLayout",
+    "KVBuffer",
+    "KVLayout",
+    "LayoutError",
+    "MemoryKind",
+    "Role",
+]
 
 MemoryKind = Literal["host", "device"]
 Role = Literal["k", "v", "kv"]
@@ -38,6 +53,10 @@ LAYOUT_FORMAT_VERSION = 1
 _ROLES: tuple[str, ...] = ("k", "v", "kv")
 _MEMORY_KINDS: tuple[str, ...] = ("host", "device")
 _BUFFER_FIELDS = ("base", "page_bytes", "num_pages", "layer", "role", "memory")
+_HEAD_FIELDS = ("kv_heads", "total_kv_heads", "head_dim", "elem_bytes", "tokens_per_page")
+_LAYOUT_FIELDS = frozenset({"format", "version", "buffers", "attn_tp_size", "attn_tp_rank", "heads"})
+_ELEM_BYTES = (1, 2, 4, 8)
+_COUNT_LIMIT = 1 << 20  # TP sizes, head counts, head dims, tokens per page
 #: Planning computes addresses in int64: every byte of a buffer must lie below this.
 ADDRESS_LIMIT = 2**63 - 1
 
@@ -98,33 +117,60 @@ class KVBuffer:
         return self.base + self.nbytes
 
 
-def _memory_per_buffer(memory: MemoryKind | Sequence[MemoryKind], count: int) -> list[MemoryKind]:
-    if isinstance(memory, str):
-        return [memory] * count
-    kinds = list(memory)
-    if len(kinds) != count:
-        raise LayoutError(f"memory: expected {count} memory kinds (one per buffer), got {len(kinds)}")
-    return kinds
+@dataclass(frozen=True)
+class HeadLayout:
+    """How a head-sliced (MHA/GQA) rank's pages hold KV heads: sglang's token-major page.
 
+    A page of a K or a V buffer is ``tokens_per_page x kv_heads x head_dim``
+    elements of ``elem_bytes``: token ``t``, local head ``h`` starts at byte
+    ``(t * kv_heads + h) * head_dim * elem_bytes`` of the page (sglang's
+    ``send_kvcache_slice`` addresses exactly this). ``kv_heads`` is what this
+    rank holds, ``total_kv_heads`` the model's: with fewer KV heads than the
+    TP size each rank holds one head, replicated on ``tp // total_kv_heads``
+    consecutive ranks.
+    """
 
-def _describe_array(obj: Any, what: str) -> tuple[int, int, int, MemoryKind]:
-    """(base, page_bytes, num_pages, memory) of a numpy array or torch tensor; first dim = pages."""
-    if isinstance(obj, np.ndarray):
-        if not obj.flags.c_contiguous:
-            raise LayoutError(f"{what} must be C-contiguous")
-        if obj.ndim < 1 or obj.shape[0] == 0:
-            raise LayoutError(f"{what} must have at least one page (first dimension), got shape {obj.shape}")
-        return int(obj.ctypes.data), obj.nbytes // obj.shape[0], int(obj.shape[0]), "host"
-    data_ptr = getattr(obj, "data_ptr", None)
-    if callable(data_ptr):  # a torch.Tensor, without importing torch
-        if not obj.is_contiguous():
-            raise LayoutError(f"{what} must be contiguous")
-        if obj.dim() < 1 or obj.shape[0] == 0:
-            raise LayoutError(f"{what} must have at least one page (first dimension), got shape {tuple(obj.shape)}")
-        nbytes = int(obj.numel()) * int(obj.element_size())
-        kind: MemoryKind = "host" if obj.device.type == "cpu" else "device"
-        return int(data_ptr()), nbytes // int(obj.shape[0]), int(obj.shape[0]), kind
-    raise LayoutError(f"{what} must be a numpy.ndarray or torch.Tensor, got {type(obj).__name__}")
+    kv_heads: int
+    total_kv_heads: int
+    head_dim: int
+    elem_bytes: int
+    tokens_per_page: int
+
+    def __post_init__(self) -> None:
+        for name in _HEAD_FIELDS:
+            value = _check_int(getattr(self, name), f"HeadLayout.{name}", 1)
+            if value > _COUNT_LIMIT:
+                raise LayoutError(f"HeadLayout.{name} must be <= {_COUNT_LIMIT}, got {value}")
+            object.__setattr__(self, name, value)
+        if self.elem_bytes not in _ELEM_BYTES:
+            raise LayoutError(f"HeadLayout.elem_bytes must be one of {_ELEM_BYTES}, got {self.elem_bytes}")
+        if self.kv_heads > self.total_kv_heads:
+            raise LayoutError(f"HeadLayout.kv_heads = {self.kv_heads} exceeds total_kv_heads = {self.total_kv_heads}")
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's heads in a page."""
+        return self.kv_heads * self.head_dim * self.elem_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        return self.row_bytes * self.tokens_per_page
+
+    def check_tp(self, tp: int) -> None:
+        """The head counts fit an attention-TP group of ``tp`` ranks (LayoutError naming the field)."""
+        total, held = self.total_kv_heads, self.kv_heads
+        if total >= tp and total % tp:
+            raise LayoutError(
+                f"HeadLayout.total_kv_heads = {total} is not divisible by attn_tp_size = {tp} (nor divides it)"
+            )
+        if total < tp and tp % total:
+            raise LayoutError(f"HeadLayout.total_kv_heads = {total} does not divide attn_tp_size = {tp}")
+        want = max(1, total // tp)
+        if held != want:
+            raise LayoutError(
+                f"HeadLayout.kv_heads = {held}, but total_kv_heads = {total} over attn_tp_size = {tp} "
+                f"gives {want} per rank"
+            )
 
 
 @dataclass(frozen=True)
@@ -133,11 +179,17 @@ class KVLayout:
 
     ``attn_tp_size`` is the attention tensor-parallel size of the process that
     holds the layout, when it says (None: not recorded); ``send_kvcache``'s
-    ``dst_attn_tp_size`` is checked against a peer's.
+    ``dst_attn_tp_size`` is checked against a peer's. ``attn_tp_rank`` is the
+    rank's place in that group and ``heads`` how an MHA layout's pages hold
+    KV heads: planning across TP sizes needs the rank on both sides (and, for
+    MHA, ``heads``). Each may be None (an older description): without ranks
+    planning keeps the whole-page path, where page sizes must match.
     """
 
     buffers: tuple[KVBuffer, ...]
     attn_tp_size: int | None = None
+    attn_tp_rank: int | None = None
+    heads: HeadLayout | None = None
 
     def __post_init__(self) -> None:
         raw: object = self.buffers
@@ -149,8 +201,8 @@ class KVLayout:
             raise LayoutError("KVLayout.buffers must not be empty")
         if self.attn_tp_size is not None:
             tp = _check_int(self.attn_tp_size, "KVLayout.attn_tp_size", 1)
-            if tp > 1 << 20:
-                raise LayoutError(f"KVLayout.attn_tp_size must be <= {1 << 20}, got {tp}")
+            if tp > _COUNT_LIMIT:
+                raise LayoutError(f"KVLayout.attn_tp_size must be <= {_COUNT_LIMIT}, got {tp}")
             object.__setattr__(self, "attn_tp_size", tp)
         for i, buf in enumerate(buffers):
             if not isinstance(buf, KVBuffer):
@@ -158,6 +210,7 @@ class KVLayout:
         roles = {b.role for b in buffers}
         if "kv" in roles and roles != {"kv"}:
             raise LayoutError("KVLayout mixes MLA ('kv') and MHA ('k'/'v') buffers; use one attention kind")
+        self._check_tp_fields(buffers, roles)
         seen: dict[tuple[int, str, str], int] = {}
         for i, buf in enumerate(buffers):
             key = (buf.layer, buf.role, buf.memory)
@@ -173,6 +226,36 @@ class KVLayout:
                 if buffers[cur].base < buffers[prev].end:
                     raise LayoutError(f"KVLayout.buffers[{cur}] overlaps buffers[{prev}]")
 
+    def _check_tp_fields(self, buffers: tuple[KVBuffer, ...], roles: set[Role]) -> None:
+        if self.attn_tp_rank is not None:
+            rank = _check_int(self.attn_tp_rank, "KVLayout.attn_tp_rank", 0)
+            if self.attn_tp_size is None:
+                raise LayoutError(
+                    "KVLayout.attn_tp_rank needs attn_tp_size (the size of the rank's attention-TP group)"
+                )
+            if rank >= self.attn_tp_size:
+                raise LayoutError(
+                    f"KVLayout.attn_tp_rank = {rank} is out of range: attn_tp_size is {self.attn_tp_size}"
+                )
+            object.__setattr__(self, "attn_tp_rank", rank)
+        heads = self.heads
+        if heads is None:
+            return
+        if not isinstance(heads, HeadLayout):
+            raise LayoutError(f"KVLayout.heads must be a HeadLayout or None, got {type(heads).__name__}")
+        if roles == {"kv"}:
+            raise LayoutError("KVLayout.heads: MLA buffers ('kv') are not head-sliced; leave heads None")
+        if self.attn_tp_size is None or self.attn_tp_rank is None:
+            raise LayoutError("KVLayout.heads needs attn_tp_size and attn_tp_rank (the rank's attention-TP group)")
+        heads.check_tp(self.attn_tp_size)
+        for i, buf in enumerate(buffers):
+            if buf.page_bytes != heads.page_bytes:
+                raise LayoutError(
+                    f"KVLayout.buffers[{i}].page_bytes = {buf.page_bytes}, but heads say kv_heads {heads.kv_heads} "
+                    f"x head_dim {heads.head_dim} x elem_bytes {heads.elem_bytes} x tokens_per_page "
+                    f"{heads.tokens_per_page} = {heads.page_bytes}"
+                )
+
     # -- construction -------------------------------------------------------
 
     @classmethod
@@ -183,12 +266,15 @@ class KVLayout:
         *,
         memory: MemoryKind | Sequence[MemoryKind] | None = None,
         layers: Sequence[int] | None = None,
+        attn_tp_size: int | None = None,
+        attn_tp_rank: int | None = None,
+        heads: HeadLayout | None = None,
     ) -> KVLayout:
         """An MHA layout from per-layer K and V arrays/tensors (first dim = pages).
 
         Buffers are ordered K of every layer, then V of every layer. ``layers``
         gives the global layer ids (default ``0..n-1``); ``memory`` overrides
-        the kind inferred from the arrays.
+        the kind inferred from the arrays; the TP fields are the layout's.
         """
         if len(k) != len(v):
             raise LayoutError(f"k and v must have one array per layer each, got {len(k)} and {len(v)}")
@@ -197,7 +283,7 @@ class KVLayout:
             raise LayoutError(f"layers: expected {len(k)} layer ids, got {len(ids)}")
         items = [(a, ids[i], "k", f"k[{i}]") for i, a in enumerate(k)]
         items += [(a, ids[i], "v", f"v[{i}]") for i, a in enumerate(v)]
-        return cls._from_items(items, memory)
+        return cls._from_items(items, memory, attn_tp_size, attn_tp_rank, heads)
 
     @classmethod
     def mla(
@@ -206,27 +292,34 @@ class KVLayout:
         *,
         memory: MemoryKind | Sequence[MemoryKind] | None = None,
         layers: Sequence[int] | None = None,
+        attn_tp_size: int | None = None,
+        attn_tp_rank: int | None = None,
     ) -> KVLayout:
-        """An MLA layout: one latent-KV array/tensor per layer."""
+        """An MLA layout: one latent-KV array/tensor per layer (never head-sliced)."""
         ids = list(range(len(kv))) if layers is None else list(layers)
         if len(ids) != len(kv):
             raise LayoutError(f"layers: expected {len(kv)} layer ids, got {len(ids)}")
-        return cls._from_items([(a, ids[i], "kv", f"kv[{i}]") for i, a in enumerate(kv)], memory)
+        items = [(a, ids[i], "kv", f"kv[{i}]") for i, a in enumerate(kv)]
+        return cls._from_items(items, memory, attn_tp_size, attn_tp_rank, None)
 
     @classmethod
     def _from_items(
         cls,
         items: Sequence[tuple[Any, int, str, str]],
         memory: MemoryKind | Sequence[MemoryKind] | None,
+        attn_tp_size: int | None,
+        attn_tp_rank: int | None,
+        heads: HeadLayout | None,
     ) -> KVLayout:
-        described = [_describe_array(obj, what) for obj, _, _, what in items]
-        kinds = [d[3] for d in described] if memory is None else _memory_per_buffer(memory, len(items))
-        return cls(
-            tuple(
-                KVBuffer(base, page_bytes, pages, layer, cast(Role, role), kinds[i])
-                for i, ((base, page_bytes, pages, _), (_, layer, role, _)) in enumerate(zip(described, items))
-            )
+        from kvwire.layout_io import describe_array, memory_per_buffer
+
+        described = [describe_array(obj, what) for obj, _, _, what in items]
+        kinds = [d[3] for d in described] if memory is None else memory_per_buffer(memory, len(items))
+        buffers = tuple(
+            KVBuffer(base, page_bytes, pages, layer, cast(Role, role), kinds[i])
+            for i, ((base, page_bytes, pages, _), (_, layer, role, _)) in enumerate(zip(described, items))
         )
+        return cls(buffers, attn_tp_size, attn_tp_rank, heads)
 
     # -- derived views (vectorised planning reads these) --------------------
 
@@ -272,14 +365,10 @@ class KVLayout:
     # -- wire format ---------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = {
-            "format": LAYOUT_FORMAT,
-            "version": LAYOUT_FORMAT_VERSION,
-            "buffers": [{f: getattr(b, f) for f in _BUFFER_FIELDS} for b in self.buffers],
-        }
-        if self.attn_tp_size is not None:
-            data["attn_tp_size"] = self.attn_tp_size
-        return data
+        """The wire description (see :mod:`kvwire.layout_io`)."""
+        from kvwire.layout_io import layout_to_dict
+
+        return layout_to_dict(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))
@@ -287,40 +376,9 @@ class KVLayout:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> KVLayout:
         """Parse a layout description strictly (it may come from another process)."""
-        if not isinstance(data, Mapping):
-            raise LayoutError(f"layout description must be a JSON object, got {type(data).__name__}")
-        if data.get("format") != LAYOUT_FORMAT:
-            raise LayoutError(f"layout description: 'format' must be {LAYOUT_FORMAT!r}, got {data.get('format')!r}")
-        version = data.get("version")
-        if type(version) is not int or version != LAYOUT_FORMAT_VERSION:  # not True, not 1.0
-            raise LayoutError(
-                f"layout description: 'version' {version!r} is not supported "
-                f"(this kvwire reads version {LAYOUT_FORMAT_VERSION})"
-            )
-        raw = data.get("buffers")
-        if not isinstance(raw, list):
-            raise LayoutError("layout description: 'buffers' must be a list")
-        buffers = []
-        for i, item in enumerate(raw):
-            if not isinstance(item, Mapping):
-                raise LayoutError(f"layout description: buffers[{i}] must be an object")
-            missing = [f for f in _BUFFER_FIELDS if f not in item]
-            extra = sorted(set(item) - set(_BUFFER_FIELDS))
-            if missing or extra:
-                raise LayoutError(
-                    f"layout description: buffers[{i}] has missing fields {missing} / unknown fields {extra}"
-                )
-            try:
-                buffers.append(KVBuffer(**{f: item[f] for f in _BUFFER_FIELDS}))
-            except LayoutError as exc:
-                raise LayoutError(f"layout description: buffers[{i}]: {exc}") from None
-        extra = sorted(set(data) - {"format", "version", "buffers", "attn_tp_size"})
-        if extra:
-            raise LayoutError(f"layout description: unknown fields {extra}")
-        try:
-            return cls(tuple(buffers), data.get("attn_tp_size"))
-        except LayoutError as exc:
-            raise LayoutError(f"layout description: {exc}") from None
+        from kvwire.layout_io import layout_from_dict
+
+        return layout_from_dict(data)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> KVLayout:

@@ -2,8 +2,9 @@
 
 Everything planning derives from ``(local, peer, dst_layer_ids)`` alone, cached
 per layout pair (layouts are immutable): the pairs grouped by destination index
-set (one set; or host and device sets on a split layout), and the shape checks
-of the peer that do not depend on the pages (``dst_kv_item_len``,
+set (one set; or host and device sets on a split layout), the TP slicing when
+the two sides' attention-TP sizes differ (:mod:`kvwire.slicing`), and the shape
+checks of the peer that do not depend on the pages (``dst_kv_item_len``,
 ``dst_attn_tp_size``).
 """
 
@@ -19,7 +20,8 @@ from numpy.typing import NDArray
 
 from kvwire.errors import InvalidTransferError
 from kvwire.layout import KVBuffer, KVLayout, MemoryKind
-from kvwire.plan import frozen
+from kvwire.plan import frozen, readonly_const
+from kvwire.slicing import Slicing, slicing_of, tp_mismatch
 
 __all__ = ["Group", "Namer", "Pairing", "check_shape", "local_name", "pairing_of", "peer_name"]
 
@@ -57,10 +59,12 @@ class Group:
     dst_ids: tuple[int, ...]  # peer buffer index per pair
     src_base: NDArray[np.int64]  # (P, 1) columns, for broadcasting
     dst_base: NDArray[np.int64]
-    page_bytes: NDArray[np.int64]  # of the sources (= of the targets, checked)
+    page_bytes: NDArray[np.int64]  # of the sources (= of the targets, checked, unless head-sliced)
     uniform_page_bytes: int  # the common page size, or 0 when they differ
     src_limit: int  # fewest pages among the sources
     dst_limit: int  # fewest pages among the targets: every dst id must be below it
+    bases: NDArray[np.int64]  # (2, pairs): source bases, target bases (the one-page path)
+    page_lengths: NDArray[np.int64]  # page_bytes as 1-D on immutable memory: a one-page plan's lengths
 
     @property
     def num_pairs(self) -> int:
@@ -80,6 +84,9 @@ class Pairing:
     peer_bases: list[int]
     split: bool  # the peer layout has host and device buffers: two page-id spaces
     device_target: int | None  # split layout: the first targeted device buffer (None: none targeted)
+    slicing: Slicing | None  # attention-TP sizes differ: what this rank pair moves (None: same TP)
+    int_types: list[type]  # [int] * len(peer_bases), for the dst_kv_ptrs fast check
+    one_page: bool  # a one-page request may take the short path: one index set, whole pages
 
 
 def _check_layer_ids(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int]) -> dict[int, int]:
@@ -113,6 +120,8 @@ def _check_layer_ids(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[in
 
 
 def build_pairing(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int] | None) -> Pairing:
+    slicing = slicing_of(local, peer)
+    sliced = slicing is not None and not slicing.whole_pages  # page sizes differ by design (head slices)
     layer_map = None if dst_layer_ids is None else _check_layer_ids(local, peer, dst_layer_ids)
     targets: dict[tuple[int, str], list[int]] = {}
     for j, buf in enumerate(peer.buffers):
@@ -129,10 +138,17 @@ def build_pairing(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int] 
             )
         for j in found:
             dst = peer.buffers[j]
-            if dst.page_bytes != buf.page_bytes:
+            if dst.page_bytes != buf.page_bytes and not sliced:
+                hint = ""
+                if tp_mismatch(local, peer):
+                    hint = (
+                        f"; the attention TP sizes differ (prefill {local.attn_tp_size}, decode "
+                        f"{peer.attn_tp_size}): record attn_tp_rank (and heads, for MHA) on both layouts to plan "
+                        "head slices"
+                    )
                 raise InvalidTransferError(
                     f"page size mismatch: {local_name(i, buf)} has {buf.page_bytes} bytes per page, "
-                    f"its target {peer_name(j, dst)} has {dst.page_bytes}"
+                    f"its target {peer_name(j, dst)} has {dst.page_bytes}{hint}"
                 )
             pairs.append((i, j))
     kinds = [peer.buffers[j].memory for _, j in pairs]
@@ -166,6 +182,8 @@ def build_pairing(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int] 
                 uniform_page_bytes=sizes.pop() if len(sizes) == 1 else 0,
                 src_limit=min(b.num_pages for b in srcs),
                 dst_limit=min(b.num_pages for b in dsts),
+                bases=frozen(np.array([[b.base for b in srcs], [b.base for b in dsts]], dtype=_I64)),
+                page_lengths=readonly_const(np.array([b.page_bytes for b in srcs], dtype=_I64)),
             )
         )
     return Pairing(
@@ -178,6 +196,9 @@ def build_pairing(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int] 
         peer_bases=[b.base for b in peer.buffers],
         split=split,
         device_target=pairs[kinds.index("device")][1] if split and "device" in kinds else None,
+        slicing=slicing,
+        int_types=[int] * len(peer.buffers),
+        one_page=len(groups) == 1 and (slicing is None or slicing.whole_pages),
     )
 
 
@@ -213,7 +234,6 @@ def pairing_of(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int] | N
     return pairing
 
 
-
 def _check_scalar(name: str, value: object) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise InvalidTransferError(f"{name} must be an int or None, got {type(value).__name__} {value!r:.100}")
@@ -238,7 +258,5 @@ def check_shape(pairing: Pairing, dst_kv_item_len: object, dst_attn_tp_size: obj
         recorded = pairing.peer.attn_tp_size
         if recorded is not None and recorded != tp:
             raise InvalidTransferError(
-                f"dst_attn_tp_size = {tp}, but the peer's layout records attention TP size {recorded}; "
-                "nothing was sent"
+                f"dst_attn_tp_size = {tp}, but the peer's layout records attention TP size {recorded}; nothing was sent"
             )
-

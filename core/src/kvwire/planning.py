@@ -27,6 +27,14 @@ whose layers all map onto the device part of a split layout would be planned
 with ``dst_kv_indices`` (host page ids) and write them into device buffers
 silently (sglang issue #31482).
 
+Prefill and decode of different attention-TP sizes (both layouts record
+``attn_tp_size``, ``attn_tp_rank`` and, for MHA, ``heads``): each token of each
+page moves just the KV heads the two ranks share (:mod:`kvwire.slicing`); the
+same TP size keeps the whole-page path.
+
+Destination page ids may not repeat within an index set (a page written twice
+is a host bug that would silently keep one of the writes).
+
 Every input is validated before a plan is returned; every failure raises
 :class:`~kvwire.errors.InvalidTransferError` naming the argument and the first
 offending position and value. The work is vectorised with numpy: runs of
@@ -44,86 +52,39 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from kvwire.assembly import Runs, assemble, check_runs, one_page, page_fill, sliced_fill
 from kvwire.errors import InvalidTransferError
 from kvwire.layout import KVLayout
-from kvwire.pairing import Group, Namer, Pairing, check_shape, local_name, pairing_of, peer_name
-from kvwire.plan import TransferPlan, frozen
+from kvwire.pairing import Group, check_shape, local_name, pairing_of, peer_name
+from kvwire.plan import TransferPlan
+from kvwire.request_checks import as_i64, check_ptrs, check_range, index_array, page_arrays
+from kvwire.slicing import needs_head_slicing, tp_aware, tp_mismatch
 from kvwire.spec import PARAMETER_FEATURES
 
-__all__ = ["TransferPlan", "TransferRequest", "check_peer_shape", "plan_transfer"]
+__all__ = [
+    "TransferPlan",
+    "TransferRequest",
+    "check_peer_shape",
+    "needs_head_slicing",
+    "plan_transfer",
+    "tp_aware",
+    "tp_mismatch",
+]
 
 _I64 = np.int64
 _max = np.maximum.reduce
 _min = np.minimum.reduce
 
 
-# -- index validation ---------------------------------------------------------
-
-
-def _as_indices(name: str, value: object) -> NDArray[np.int64]:
-    if not isinstance(value, np.ndarray):
-        raise InvalidTransferError(f"{name} must be a 1-D numpy integer array, got {type(value).__name__}")
-    if value.ndim != 1:
-        raise InvalidTransferError(f"{name} must be a 1-D numpy integer array, got shape {value.shape}")
-    if value.dtype.kind not in "iu" or not np.can_cast(value.dtype, _I64):
-        raise InvalidTransferError(f"{name} must have an integer dtype (int32 or int64), got {value.dtype}")
-    return np.asarray(value, dtype=_I64)
-
-
-def _check_range(
-    name: str, idx: NDArray[np.int64], limit: int, *, layout: KVLayout, ids: Iterable[int], describe: Namer
-) -> None:
-    """Every id in [0, limit); on failure name the first offender and a buffer (of ``ids``) it overflows."""
-    if _max(idx.view(np.uint64)) < limit:  # negatives wrap to >= 2**63
-        return
-    j = int(np.flatnonzero((idx < 0) | (idx >= limit))[0])
-    v = int(idx[j])
-    if v < 0:
-        raise InvalidTransferError(f"{name}[{j}] = {v} is negative: page ids must be >= 0")
-    i = next(i for i in ids if v >= layout.buffers[i].num_pages)
-    buf = layout.buffers[i]
-    raise InvalidTransferError(f"{name}[{j}] = {v} is out of range: {describe(i, buf)} has {buf.num_pages} pages")
-
-
-def _check_ptrs(pairing: Pairing, dst_kv_ptrs: Sequence[int]) -> None:
-    peer = pairing.peer
-    try:
-        count = len(dst_kv_ptrs)
-    except TypeError:
-        raise InvalidTransferError(
-            f"dst_kv_ptrs must be a sequence of ints, got {type(dst_kv_ptrs).__name__}"
-        ) from None
-    if count != len(peer.buffers):
-        raise InvalidTransferError(
-            f"dst_kv_ptrs has {count} entries, expected {len(peer.buffers)} (one per peer buffer)"
-        )
-    ptrs = list(dst_kv_ptrs)
-    types = set(map(type, ptrs))
-    if ptrs == pairing.peer_bases and all(t is int or issubclass(t, np.integer) for t in types):
-        return
-    for i, (p, base) in enumerate(zip(ptrs, pairing.peer_bases, strict=True)):
-        if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, np.integer)):
-            raise InvalidTransferError(f"dst_kv_ptrs[{i}] = {p!r} must be an int, got {type(p).__name__}")
-        if int(p) != base:
-            raise InvalidTransferError(
-                f"dst_kv_ptrs[{i}] = {int(p)} does not match the peer layout: "
-                f"{peer_name(i, peer.buffers[i])} has base {base}"
-            )
-
-
-
-
 # -- planning -----------------------------------------------------------------
 
 
-_Runs = tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]
-
-
-def _runs(src: NDArray[np.int64], dst: NDArray[np.int64], coalesce: bool) -> _Runs:
+def _runs(src: NDArray[Any], dst: NDArray[Any], coalesce: bool) -> Runs:
     """(first source page, first destination page, page count) of each run.
 
     A run is a maximal stretch where both the source and the destination page
-    ids go up by exactly one from each entry to the next.
+    ids go up by exactly one from each entry to the next. ``src`` and ``dst``
+    are both int64, or both int32 (:func:`~kvwire.request_checks.page_arrays`).
     """
     n = src.shape[0]
     if not coalesce or n < 2:
@@ -135,62 +96,11 @@ def _runs(src: NDArray[np.int64], dst: NDArray[np.int64], coalesce: bool) -> _Ru
     np.not_equal(step, 1, out=brk)
     np.subtract(dst[1:], dst[:-1], out=step)
     brk |= step != 1
-    starts = np.flatnonzero(starts_mask)
-    counts = np.empty_like(starts)
+    starts = starts_mask.nonzero()[0]
+    counts = np.empty(starts.shape[0], dtype=_I64)
     np.subtract(starts[1:], starts[:-1], out=counts[:-1])
     counts[-1] = n - starts[-1]
     return src[starts], dst[starts], counts
-
-
-def _fill(
-    g: Group,
-    runs: _Runs,
-    *,
-    src: NDArray[np.int64],
-    dst: NDArray[np.int64],
-    length: NDArray[np.int64],
-) -> None:
-    """Write the (pairs, runs) descriptor matrices of group ``g`` into ``src``/``dst``/``length``."""
-    run_src, run_dst, run_len = runs
-    pb = g.uniform_page_bytes
-    if pb:
-        np.add(g.src_base, run_src * pb, out=src)
-        np.add(g.dst_base, run_dst * pb, out=dst)
-        length[...] = run_len * pb
-    else:
-        np.multiply(g.page_bytes, run_src, out=src)
-        src += g.src_base
-        np.multiply(g.page_bytes, run_dst, out=dst)
-        dst += g.dst_base
-        np.multiply(g.page_bytes, run_len, out=length)
-
-
-def _safety_net(pairing: Pairing, g: Group, runs: _Runs) -> None:
-    """Last line of defence: no descriptor of group ``g`` leaves its source or target buffer.
-
-    The descriptor of pair ``p`` and run ``k`` covers bytes ``base_p + [page_k, page_k + len_k) *
-    page_bytes_p``, so it lies inside buffer ``p`` exactly when ``0 <= page_k`` and ``page_k + len_k
-    <= num_pages_p``. Checking the runs against the smallest buffer of the group covers every
-    descriptor of every pair at O(runs) cost (checking the (pairs x runs) output would cost more
-    than planning it).
-    """
-    run_src, run_dst, run_len = runs
-    checks = (
-        ("source", run_src, g.src_limit, g.src_ids, pairing.local, local_name),
-        ("target", run_dst, g.dst_limit, g.dst_ids, pairing.peer, peer_name),
-    )
-    for side, first, limit, ids, layout, name in checks:
-        stop = first + run_len
-        if _min(first) >= 0 and _max(stop) <= limit:
-            continue
-        k = int(np.flatnonzero((first < 0) | (stop > limit))[0])
-        lo, hi = int(first[k]), int(stop[k])
-        b = next(b for b in ids if lo < 0 or hi > layout.buffers[b].num_pages)
-        buf = layout.buffers[b]
-        raise InvalidTransferError(
-            f"internal planning error: run {k} covers pages [{lo}, {hi}), outside its {side} "
-            f"{name(b, buf)} of {buf.num_pages} pages; no plan was returned"
-        )
 
 
 def plan_transfer(
@@ -239,15 +149,21 @@ def plan_transfer(
     idea of the peer's shape (sglang passes them): they must match what the
     peer's layout says (see :func:`check_peer_shape`).
 
+    Between layouts of different attention-TP sizes only the KV heads the two
+    ranks share move, token by token (see :mod:`kvwire.slicing`); a rank that
+    another sender covers (a GQA replica, an MLA rank other than the first)
+    gets an empty plan after every check.
+
     Raises :class:`InvalidTransferError` (before anything is returned) naming
     the argument and the first offending position and value.
     """
     pairing = pairing_of(local, peer, dst_layer_ids)
-    check_shape(pairing, dst_kv_item_len, dst_attn_tp_size)
-    _check_ptrs(pairing, dst_kv_ptrs)
-    src_pages = _as_indices("prefill_kv_indices", prefill_kv_indices)
-    host_pages = _as_indices("dst_kv_indices", dst_kv_indices)
-    device_pages: NDArray[np.int64] | None = None
+    if dst_kv_item_len is not None or dst_attn_tp_size is not None:
+        check_shape(pairing, dst_kv_item_len, dst_attn_tp_size)
+    check_ptrs(pairing, dst_kv_ptrs)
+    src_ids = index_array("prefill_kv_indices", prefill_kv_indices)
+    host_ids = index_array("dst_kv_indices", dst_kv_indices)
+    device_ids: NDArray[np.integer[Any]] | None = None
     device_target = pairing.device_target
     if dst_device_kv_indices is not None:
         if not pairing.split:
@@ -262,23 +178,26 @@ def plan_transfer(
                 "has host and device buffers (split destinations) and every target of this request is a host "
                 "buffer, addressed by dst_kv_indices; pass None"
             )
-        device_pages = _as_indices("dst_device_kv_indices", dst_device_kv_indices)
+        device_ids = index_array("dst_device_kv_indices", dst_device_kv_indices)
     elif device_target is not None:
         raise InvalidTransferError(
             "dst_device_kv_indices is None, but the peer layout has host and device buffers (split destinations) "
             f"and this request targets a device buffer, {peer_name(device_target, peer.buffers[device_target])}: "
             "pass dst_device_kv_indices"
         )
-    n = src_pages.shape[0]
-    for name, pages in (("dst_kv_indices", host_pages), ("dst_device_kv_indices", device_pages)):
-        if pages is not None and pages.shape[0] != n:
+    n = src_ids.shape[0]
+    for name, ids in (("dst_kv_indices", host_ids), ("dst_device_kv_indices", device_ids)):
+        if ids is not None and ids.shape[0] != n:
             raise InvalidTransferError(
-                f"{name} has {pages.shape[0]} entries but prefill_kv_indices has {n}: they must be equal"
+                f"{name} has {ids.shape[0]} entries but prefill_kv_indices has {n}: they must be equal"
             )
     if n == 0:
         return TransferPlan.empty()
+    if n == 1 and pairing.one_page:
+        return one_page(pairing, src_ids, host_ids, device_ids)
+    src_pages, host_pages, device_pages = page_arrays(src_ids, host_ids, device_ids)
 
-    _check_range(
+    check_range(
         "prefill_kv_indices",
         src_pages,
         pairing.src_limit,
@@ -286,15 +205,24 @@ def plan_transfer(
         ids=range(len(local.buffers)),
         describe=local_name,
     )
-    planned: list[tuple[Group, _Runs]] = []
+    sliced = pairing.slicing
+    whole = sliced is None or sliced.whole_pages
+    planned: list[tuple[Group, Runs]] = []
     for g in pairing.groups:  # one, or (split layout) host and/or device
         pages = device_pages if g.device_ids else host_pages
         assert pages is not None  # guaranteed by the device-target check above
-        _check_range(g.index_name, pages, g.dst_limit, layout=peer, ids=g.dst_ids, describe=peer_name)
-        runs = _runs(src_pages, pages, coalesce)
-        _safety_net(pairing, g, runs)
+        check_range(g.index_name, pages, g.dst_limit, layout=peer, ids=g.dst_ids, describe=peer_name)
+        first_src, first_dst, count = _runs(src_pages, pages, coalesce and whole)
+        runs = (as_i64(first_src), as_i64(first_dst), as_i64(count))
+        check_runs(pairing, g, runs, pages)
         planned.append((g, runs))
-    return _assemble(pairing, planned, n * pairing.num_pairs)
+    if sliced is not None and not sliced.sends:
+        return TransferPlan.empty()  # another sender covers this decode rank (see kvwire.slicing)
+    if whole:
+        return assemble(pairing, [page_fill(g, runs, n) for g, runs in planned], n * pairing.num_pairs)
+    assert sliced is not None
+    t = sliced.tokens
+    return assemble(pairing, [sliced_fill(sliced, g, runs) for g, runs in planned], n * t * pairing.num_pairs)
 
 
 def check_peer_shape(
@@ -311,42 +239,6 @@ def check_peer_shape(
     the layout records one. :class:`InvalidTransferError` names both values.
     """
     check_shape(pairing_of(local, peer, dst_layer_ids), dst_kv_item_len, dst_attn_tp_size)
-
-
-def _assemble(pairing: Pairing, planned: list[tuple[Group, _Runs]], descriptors_before: int) -> TransferPlan:
-    """Broadcast each group's runs over its buffer pairs into pair-major flat arrays."""
-    if len(planned) == 1:
-        g, runs = planned[0]
-        shape = (g.num_pairs, runs[0].shape[0])
-        src, dst, length = np.empty(shape, _I64), np.empty(shape, _I64), np.empty(shape, _I64)
-        _fill(g, runs, src=src, dst=dst, length=length)
-        return TransferPlan(
-            frozen(src.reshape(-1)), frozen(dst.reshape(-1)), frozen(length.reshape(-1)), descriptors_before
-        )
-    counts = np.array([runs[0].shape[0] for _, runs in planned], dtype=_I64)
-    per_pair = counts[pairing.pair_group]  # rows of each pair, in output order
-    row_start = np.cumsum(per_pair) - per_pair
-    total = int(per_pair.sum())
-    flat_src, flat_dst, flat_len = np.empty(total, _I64), np.empty(total, _I64), np.empty(total, _I64)
-    for g, runs in planned:
-        r = runs[0].shape[0]
-        shape = (g.num_pairs, r)
-        if g.contiguous:  # the group's pairs are adjacent in the output: write in place
-            start = int(row_start[g.pair_pos[0]])
-            stop = start + g.num_pairs * r
-            _fill(
-                g,
-                runs,
-                src=flat_src[start:stop].reshape(shape),
-                dst=flat_dst[start:stop].reshape(shape),
-                length=flat_len[start:stop].reshape(shape),
-            )
-        else:  # interleaved with the other group's pairs: scatter
-            src, dst, length = np.empty(shape, _I64), np.empty(shape, _I64), np.empty(shape, _I64)
-            _fill(g, runs, src=src, dst=dst, length=length)
-            pos = row_start[g.pair_pos][:, None] + np.arange(r, dtype=_I64)
-            flat_src[pos], flat_dst[pos], flat_len[pos] = src, dst, length
-    return TransferPlan(frozen(flat_src), frozen(flat_dst), frozen(flat_len), descriptors_before)
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,9 @@ class LocalBackend(TransportBackend):
     """In-process transfers; every send feature supported."""
 
     spec_version = "1.4"
-    capabilities = frozenset({"layer_ids", "device_kv_indices", "mha", "mla", "host_memory", "device_memory"})
+    capabilities = frozenset(
+        {"layer_ids", "device_kv_indices", "head_slicing", "mha", "mla", "host_memory", "device_memory"}
+    )
 
     def open_transport(self, config: BackendConfig) -> LocalTransport:
         return LocalTransport()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -19,7 +19,7 @@ from numpy.typing import NDArray
 
 from kvwire.config import BackendConfig
 from kvwire.control import ChildProcess, ControlProtocolError, reply, serve
-from kvwire.layout import KVLayout, MemoryKind, Role
+from kvwire.layout import HeadLayout, KVLayout, MemoryKind, Role
 from kvwire.peer import PeerDescription
 from kvwire.workload.memory import KVMemory, allocate, digest
 
@@ -32,6 +32,8 @@ class LayoutSpec:
 
     ``device_layers`` get a second buffer per (layer, role) marked ``"device"``
     (host memory here, addressed by device page ids): HiSparse's split destination.
+    ``tp`` is the rank's ``(attn_tp_size, attn_tp_rank)`` and ``heads`` its
+    :class:`~kvwire.HeadLayout` fields, for transfers across TP sizes.
     """
 
     attention: Literal["mha", "mla"]
@@ -39,6 +41,8 @@ class LayoutSpec:
     num_pages: int
     page_bytes: int
     device_layers: tuple[int, ...] = ()
+    tp: tuple[int, int] | None = None
+    heads: tuple[int, int, int, int, int] | None = None
 
     def roles(self) -> tuple[Role, ...]:
         return ("k", "v") if self.attention == "mha" else ("kv",)
@@ -54,6 +58,9 @@ class LayoutSpec:
     def allocate(self, seed: int) -> KVMemory:
         """Host buffers of this shape, filled with random bytes from ``seed``."""
         memory = allocate(self.entries(), self.num_pages, self.page_bytes)
+        if self.tp is not None:
+            heads = None if self.heads is None else HeadLayout(*self.heads)
+            memory.layout = replace(memory.layout, attn_tp_size=self.tp[0], attn_tp_rank=self.tp[1], heads=heads)
         memory.fill_random(seed)
         return memory
 
@@ -68,6 +75,8 @@ class LayoutSpec:
             data["num_pages"],
             data["page_bytes"],
             tuple(data.get("device_layers", ())),
+            None if data.get("tp") is None else (int(data["tp"][0]), int(data["tp"][1])),
+            None if data.get("heads") is None else tuple(int(x) for x in data["heads"]),  # type: ignore[arg-type]
         )
 
 

@@ -56,7 +56,9 @@ class AscendBackend(TransportBackend):
     """Mooncake's Ascend transport for NPU-resident KV caches; no split destinations."""
 
     spec_version = "1.4"
-    capabilities = frozenset({"layer_ids", "mha", "mla", "host_memory", "device_memory", "interprocess"})
+    capabilities = frozenset(
+        {"layer_ids", "head_slicing", "mha", "mla", "host_memory", "device_memory", "interprocess"}
+    )
 
     @classmethod
     def availability(cls) -> str | None:

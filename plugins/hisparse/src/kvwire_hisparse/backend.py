@@ -22,7 +22,17 @@ class HiSparseBackend(TransportBackend):
 
     spec_version = "1.4"
     capabilities = frozenset(
-        {"layer_ids", "device_kv_indices", "mha", "mla", "host_memory", "device_memory", "interprocess", "raw_write"}
+        {
+            "layer_ids",
+            "device_kv_indices",
+            "head_slicing",
+            "mha",
+            "mla",
+            "host_memory",
+            "device_memory",
+            "interprocess",
+            "raw_write",
+        }
     )
 
     @classmethod

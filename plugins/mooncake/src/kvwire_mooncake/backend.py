@@ -33,7 +33,7 @@ class MooncakeBackend(TransportBackend):
 
     spec_version = "1.4"
     capabilities = frozenset(
-        {"layer_ids", "mha", "mla", "host_memory", "device_memory", "interprocess", "raw_write"}
+        {"layer_ids", "head_slicing", "mha", "mla", "host_memory", "device_memory", "interprocess", "raw_write"}
     )
 
     @classmethod
