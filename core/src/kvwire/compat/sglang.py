@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from kvwire.connection import Connection
 from kvwire.errors import InvalidTransferError, KvwireError, PeerUnreachableError, TransferTimeoutError
-from kvwire.layout import KVBuffer, KVLayout, LayoutError, MemoryKind, Role
+from kvwire.layout import HeadLayout, KVBuffer, KVLayout, LayoutError, MemoryKind, Role
 
 __all__ = ["STATUS_CODES", "KvwireSendMixin", "SglangSender", "layout_from_kv_args", "status_of"]
 
@@ -111,6 +111,8 @@ def layout_from_kv_args(
     attention: Literal["mha", "mla"],
     memory: MemoryKind = "device",
     attn_tp_size: int | None = None,
+    attn_tp_rank: int | None = None,
+    heads: HeadLayout | None = None,
 ) -> KVLayout:
     """The :class:`KVLayout` of sglang's ``KVArgs`` (``kv_data_ptrs``, ``kv_data_lens``, ``kv_item_lens``...).
 
@@ -119,6 +121,9 @@ def layout_from_kv_args(
     bytes per buffer, so a buffer holds ``data_len // item_len`` pages.
     ``kv_layer_ids`` gives the global layer of each layer (one id per layer), or
     of each buffer; default ``0..n-1``. GPU KV pools are ``memory="device"``.
+    For transfers across attention TP sizes give the rank (sglang's
+    ``engine_rank % attn_tp_size``) and ``heads`` (``kv_head_num``,
+    ``total_kv_head_num``, head dim, element size, ``page_size``).
     """
     n = len(kv_data_ptrs)
     if not (len(kv_data_lens) == len(kv_item_lens) == n) or n == 0:
@@ -143,4 +148,4 @@ def layout_from_kv_args(
         if item <= 0 or length % item:
             raise LayoutError(f"kv_data_lens[{i}] = {length} is not a multiple of kv_item_lens[{i}] = {item}")
         buffers.append(KVBuffer(int(ptr), int(item), int(length) // int(item), ids[i], roles[i], memory))
-    return KVLayout(tuple(buffers), attn_tp_size)
+    return KVLayout(tuple(buffers), attn_tp_size, attn_tp_rank, heads)
