@@ -1,6 +1,7 @@
 # kvwire: the README's two commands.
 #   make demo   set up, then `kvwire check` and `kvwire bench` (the main job)
 #   make test   set up, then every test
+#   make dist   wheels of every distribution (core/, plugins/*/) into dist/
 # Set-up is idempotent and quick when already done (stamp files).
 
 PYTHON ?= python3
@@ -9,11 +10,17 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 SYSLIBS := libibverbs.so.1 libnuma.so.1 libcurl.so.4
 APT_PKGS := libibverbs1 libnuma1 libcurl4
-DISTS  := core/pyproject.toml plugins/mooncake/pyproject.toml plugins/ascend/pyproject.toml plugins/hisparse/pyproject.toml
 TORCH_WHEELS := /opt/wheels/torch-2.13.0+cpu-cp$(shell $(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')-*.whl
-DEV_DEPS := "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "ruff>=0.6" "mypy>=1.10" "setuptools>=68" "wheel"
+DEV_DEPS := "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "ruff>=0.6" "mypy>=1.10" "setuptools>=77" "wheel" \
+	"prometheus_client>=0.17"
+# Every distribution: the core and each plugin with a pyproject.toml (a new plugin is picked up by setup and dist).
+PLUGIN_DIRS := $(patsubst %/pyproject.toml,%,$(sort $(wildcard plugins/*/pyproject.toml)))
+DIST_DIRS := core $(PLUGIN_DIRS)
+DISTS  := $(addsuffix /pyproject.toml,$(DIST_DIRS))
+# Editable installs: plugins without extras (no torch, no NIXL wheel), but mooncake with its CPU engine wheel.
+EDITABLES := $(foreach d,$(DIST_DIRS),-e "$(d)$(if $(filter plugins/mooncake,$(d)),[cpu])")
 
-.PHONY: setup demo test bench lint typecheck syspkgs clean
+.PHONY: setup demo test bench lint typecheck syspkgs dist clean
 
 $(PY):
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "kvwire needs Python >= 3.10")'
@@ -33,7 +40,7 @@ syspkgs:
 
 $(VENV)/.stamp-install: $(PY) $(DISTS) Makefile
 	$(PIP) install --quiet $(DEV_DEPS)
-	$(PIP) install --quiet -e core -e "plugins/mooncake[cpu]" -e plugins/ascend -e plugins/hisparse
+	$(PIP) install --quiet $(EDITABLES)
 	@# torch is optional for kvwire; install the CPU build only from local disk (any other torch is GBs of CUDA)
 	@if ls $(TORCH_WHEELS) >/dev/null 2>&1; then $(PIP) install --quiet $$(ls $(TORCH_WHEELS) | head -n 1); \
 	  else echo "no local CPU torch wheel ($(TORCH_WHEELS)): torch-tensor tests will be skipped"; fi
@@ -58,7 +65,15 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
+# In-tree builds leave build/ dirs whose stale files would end up in the next wheel: start from none.
+dist: $(PY)
+	$(PIP) install --quiet "setuptools>=77" wheel
+	rm -rf dist $(addsuffix /build,$(DIST_DIRS))
+	$(PIP) wheel --quiet --no-deps --no-build-isolation --wheel-dir dist $(addprefix ./,$(DIST_DIRS))
+	rm -rf $(addsuffix /build,$(DIST_DIRS))
+	@ls -1 dist
+
 clean:
-	rm -rf $(VENV) build dist .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) build dist .mypy_cache .ruff_cache .pytest_cache .hypothesis $(addsuffix /build,$(DIST_DIRS))
 	find . -name __pycache__ -prune -exec rm -rf {} +
 	find . -name '*.egg-info' -prune -exec rm -rf {} +

@@ -8,6 +8,7 @@ group ``kvwire.backends``. Users call :func:`connect`. Every backend is
 validated against the spec when it loads.
 """
 
+from kvwire.about import core_version
 from kvwire.base import RawWriter, Transport, TransportBackend
 from kvwire.capabilities import FEATURES
 from kvwire.config import BackendConfig
@@ -32,12 +33,13 @@ from kvwire.layout import HeadLayout, KVBuffer, KVLayout, LayoutError
 from kvwire.markers import ENTRY_POINT_GROUP, hookimpl, hookspec
 from kvwire.peer import PeerDescription
 from kvwire.planning import TransferPlan, TransferRequest, plan_transfer
+from kvwire.protocol import BackendProtocol
 from kvwire.regions import RegionSet
 from kvwire.registry import BackendInfo, Registry, connect, default_registry, register_backend
 from kvwire.spec import SPEC_HISTORY, SPEC_VERSION, BackendSpec, SpecVersion
 from kvwire.validator import ValidationResult, validate_backend
 
-__version__ = "0.1.0"
+__version__ = core_version()  # from the installed metadata: pyproject.toml is the one source
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -49,6 +51,7 @@ __all__ = [
     "BackendError",
     "BackendImportError",
     "BackendInfo",
+    "BackendProtocol",
     "BackendLoadError",
     "BackendSpec",
     "BackendUnavailableError",

@@ -25,6 +25,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 from numpy.typing import NDArray
 
+from kvwire import telemetry
 from kvwire.capabilities import FEATURE_DISTRIBUTIONS
 from kvwire.config import BackendConfig
 from kvwire.errors import InvalidTransferError, KvwireError, UnsupportedFeatureError
@@ -162,9 +163,12 @@ class TransportBackend(ABC):
         )
         self._refuse_unsupported(request)
         local, peer = self._layouts(session_id)
+        started = telemetry.clock()
         plan = request.plan(local, peer)
+        planned = telemetry.clock()
         if len(plan):
             self.transport.write(session_id, plan)
+        telemetry.publish(session_id, plan, started, planned)
         return plan.nbytes
 
     @hookimpl

@@ -10,6 +10,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from kvwire import spec_view
+from kvwire.about import VersionAction, engine_conflict
 from kvwire.errors import ConfigError, KvwireError
 from kvwire.isolation import DEFAULT_TIMEOUT, check_isolated
 from kvwire.registry import BackendInfo, Registry, allow_list_error, installed_backends
@@ -75,11 +77,15 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if unknown:
         source = "--backends" if allow is not None else registry.allow_source
         print(f"kvwire check: error: {allow_list_error(source, unknown, installed_backends())}", file=sys.stderr)
-    return 1 if failed or unknown else 0
+    clash = engine_conflict()  # two Mooncake engine wheels overwrite each other's files
+    if clash:
+        print(f"kvwire check: error: {clash}", file=sys.stderr)
+    return 1 if failed or unknown or clash else 0
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvwire", description=__doc__)
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="validate every installed backend against the hook spec")
     check.add_argument("--json", action="store_true", help="print a JSON list of backends")
@@ -93,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
         help=f"time limit of each backend's import, validation and availability() (default: {DEFAULT_TIMEOUT:g})",
     )
     check.set_defaults(func=_cmd_check)
+    spec = sub.add_parser("spec", help="print the backend hook spec of a version, or what changed between two")
+    spec_view.add_arguments(spec)
+    spec.set_defaults(func=spec_view.run)
     bench = sub.add_parser("bench", help="move a realistic KV cache between a prefill and a decode process")
     from kvwire.benchmark.run import add_arguments, run
 

@@ -1,0 +1,165 @@
+"""Prometheus metrics for ``send_kvcache``, as a ready middleware (``pip install 'kvwire[metrics]'``).
+
+::
+
+    from kvwire.metrics import default_metrics
+
+    conn = kvwire.connect("mooncake", middleware=[default_metrics().middleware("mooncake")])
+
+Exported (labels ``backend`` and ``peer``; ``error`` on failures):
+
+* ``kvwire_send_requests_total``, ``kvwire_send_bytes_total``
+* ``kvwire_send_failures_total{error}``: the kvwire error class the caller gets
+  (anything else a backend raises reaches the caller as ``BackendError``)
+* ``kvwire_send_seconds``: latency of the hook as the caller sees it, failures included
+* ``kvwire_send_descriptors_total``, ``kvwire_send_descriptors_before_coalescing_total``,
+  ``kvwire_send_planning_seconds``, ``kvwire_send_transfer_seconds`` (``backend`` only):
+  from :mod:`kvwire.telemetry`, for backends that publish it (those built on
+  :class:`kvwire.TransportBackend`)
+
+Label cardinality is bounded: the first ``max_peers`` distinct peers of a
+:class:`Metrics` get their own ``peer`` label, later ones share ``"other"``.
+prometheus_client is imported when a :class:`Metrics` is created, not before.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from kvwire import telemetry
+from kvwire.errors import BackendError, KvwireError
+from kvwire.markers import hookimpl
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+__all__ = ["DEFAULT_BUCKETS", "OTHER_PEER", "Metrics", "MetricsMiddleware", "default_metrics"]
+
+#: Latency buckets (seconds): KV sends range from ~100 us (a few pages) to seconds (a long prompt over TCP).
+DEFAULT_BUCKETS: Final = (
+    *(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025),
+    *(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+#: The ``peer`` label of every peer past ``max_peers``.
+OTHER_PEER: Final = "other"
+
+
+def _prometheus() -> Any:
+    try:
+        import prometheus_client
+    except ImportError as exc:
+        raise ImportError(
+            "kvwire.metrics needs prometheus_client: pip install 'kvwire[metrics]' (or prometheus_client)"
+        ) from exc
+    return prometheus_client
+
+
+class Metrics:
+    """The metric families on one prometheus registry; :meth:`middleware` makes one per connection."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        max_peers: int = 32,
+        buckets: Sequence[float] = DEFAULT_BUCKETS,
+    ) -> None:
+        if isinstance(max_peers, bool) or not isinstance(max_peers, int) or max_peers < 0:
+            raise ValueError(f"max_peers must be an int >= 0, got {max_peers!r}")
+        prom = _prometheus()
+        where: dict[str, Any] = {"registry": registry if registry is not None else prom.REGISTRY}
+        peer = ["backend", "peer"]
+        self.requests = prom.Counter("kvwire_send_requests", "send_kvcache calls", peer, **where)
+        self.bytes = prom.Counter("kvwire_send_bytes", "Bytes moved by successful send_kvcache calls", peer, **where)
+        self.failures = prom.Counter(
+            "kvwire_send_failures", "Failed send_kvcache calls by kvwire error class", [*peer, "error"], **where
+        )
+        self.seconds = prom.Histogram(
+            "kvwire_send_seconds", "send_kvcache latency as the caller sees it", peer, buckets=buckets, **where
+        )
+        self.descriptors = prom.Counter(
+            "kvwire_send_descriptors", "Descriptors written, after coalescing", ["backend"], **where
+        )
+        self.descriptors_before = prom.Counter(
+            "kvwire_send_descriptors_before_coalescing",
+            "Descriptors before coalescing (one per page and buffer pair)",
+            ["backend"],
+            **where,
+        )
+        self.planning = prom.Histogram(
+            "kvwire_send_planning_seconds", "Planning time of a send", ["backend"], buckets=buckets, **where
+        )
+        self.transfer = prom.Histogram(
+            "kvwire_send_transfer_seconds", "Transport write time of a send", ["backend"], buckets=buckets, **where
+        )
+        self.max_peers = max_peers
+        self._peers: set[str] = set()
+        self._lock = threading.Lock()
+
+    def peer_label(self, session_id: str) -> str:
+        """``session_id`` for the first ``max_peers`` distinct peers, :data:`OTHER_PEER` after."""
+        with self._lock:
+            if session_id in self._peers:
+                return session_id
+            if len(self._peers) < self.max_peers:
+                self._peers.add(session_id)
+                return session_id
+        return OTHER_PEER
+
+    def middleware(self, backend: str) -> MetricsMiddleware:
+        """A middleware recording into these metrics under ``backend`` (pass it to ``kvwire.connect``)."""
+        return MetricsMiddleware(self, backend)
+
+
+def _error_label(exc: BaseException) -> str:
+    """The class the caller gets: a kvwire error's own, else BackendError (the Connection wraps the rest)."""
+    return type(exc).__name__ if isinstance(exc, KvwireError) else BackendError.__name__
+
+
+class MetricsMiddleware:
+    """Wraps ``send_kvcache``: counts, times and reads the backend's :mod:`kvwire.telemetry` record."""
+
+    def __init__(self, metrics: Metrics, backend: str) -> None:
+        self.metrics = metrics
+        self.backend = backend
+
+    @hookimpl(wrapper=True)
+    def send_kvcache(self, session_id: str) -> Generator[None, int, int]:
+        m = self.metrics
+        peer = m.peer_label(session_id)
+        marker = telemetry.mark()
+        started = telemetry.clock()
+        m.requests.labels(self.backend, peer).inc()
+        try:
+            moved = yield
+        except BaseException as exc:
+            m.seconds.labels(self.backend, peer).observe(telemetry.clock() - started)
+            m.failures.labels(self.backend, peer, _error_label(exc)).inc()
+            raise
+        m.seconds.labels(self.backend, peer).observe(telemetry.clock() - started)
+        if isinstance(moved, (int, np.integer)) and not isinstance(moved, bool) and moved >= 0:
+            m.bytes.labels(self.backend, peer).inc(int(moved))
+        record = telemetry.since(marker)
+        if record is not None:
+            m.descriptors.labels(self.backend).inc(record.descriptors)
+            m.descriptors_before.labels(self.backend).inc(record.descriptors_before)
+            m.planning.labels(self.backend).observe(record.planning_s)
+            m.transfer.labels(self.backend).observe(record.transfer_s)
+        return moved
+
+
+_default: Metrics | None = None
+_default_lock = threading.Lock()
+
+
+def default_metrics() -> Metrics:
+    """The process-wide :class:`Metrics` on prometheus_client's default registry (created once)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Metrics()
+        return _default

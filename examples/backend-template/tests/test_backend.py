@@ -1,0 +1,16 @@
+"""The template's own tests; `pytest --kvwire-backend template` adds kvwire's contract suite to them."""
+
+from __future__ import annotations
+
+import kvwire
+from kvwire.findings import PluginOrigin
+from kvwire_template.backend import TemplateBackend
+
+
+def test_validates_against_the_spec() -> None:
+    result = kvwire.validate_backend(TemplateBackend, PluginOrigin("template"))
+    assert (result.status, result.findings) == ("ok", ())
+
+
+def test_refuses_split_destinations_it_does_not_declare() -> None:
+    assert "device_kv_indices" not in TemplateBackend.capabilities
