@@ -33,6 +33,7 @@ import numpy as np
 from kvwire import telemetry
 from kvwire.errors import BackendError, KvwireError
 from kvwire.markers import hookimpl
+from kvwire.once import ProcessWide
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -152,14 +153,9 @@ class MetricsMiddleware:
         return moved
 
 
-_default: Metrics | None = None
-_default_lock = threading.Lock()
+_default: ProcessWide[Metrics] = ProcessWide(Metrics)
 
 
 def default_metrics() -> Metrics:
     """The process-wide :class:`Metrics` on prometheus_client's default registry (created once)."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = Metrics()
-        return _default
+    return _default.get()

@@ -36,6 +36,7 @@ from kvwire.errors import (
 from kvwire.findings import PluginOrigin
 from kvwire.loading import BackendInfo, did_you_mean, dist_of, load_backend, module_of, validated
 from kvwire.markers import ENTRY_POINT_GROUP
+from kvwire.once import ProcessWide
 
 __all__ = [
     "BackendInfo",
@@ -335,17 +336,12 @@ class Registry:
         )
 
 
-_default: Registry | None = None
-_default_lock = threading.Lock()
+_default: ProcessWide[Registry] = ProcessWide(Registry)
 
 
 def default_registry() -> Registry:
     """The process-wide registry (allow-list and policy from the environment)."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = Registry()
-        return _default
+    return _default.get()
 
 
 def register_backend(name: str, cls: type) -> BackendInfo:
