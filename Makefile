@@ -44,6 +44,8 @@ $(VENV)/.stamp-install: $(PY) $(DISTS) Makefile
 	@# torch is optional for kvwire; install the CPU build only from local disk (any other torch is GBs of CUDA)
 	@if ls $(TORCH_WHEELS) >/dev/null 2>&1; then $(PIP) install --quiet $$(ls $(TORCH_WHEELS) | head -n 1); \
 	  else echo "no local CPU torch wheel ($(TORCH_WHEELS)): torch-tensor tests will be skipped"; fi
+	@# kvwire-nixl's engine, without its deps: its unpinned `torch` would pull a CUDA build (see plugins/nixl/README.md)
+	$(PIP) install --quiet --no-deps "nixl-cu12>=1.5.1,<1.6"
 	@touch $@
 
 setup: syspkgs $(VENV)/.stamp-install

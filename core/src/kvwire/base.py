@@ -36,6 +36,12 @@ from kvwire.planning import TransferPlan, TransferRequest
 __all__ = ["RawWriter", "Transport", "TransportBackend"]
 
 
+def _short(session_id: str, *, quote: bool = True, limit: int = 80) -> str:
+    """A session id for an error message: whole, or its start and its length (some transports' ids are KBs)."""
+    text = repr(session_id) if quote else session_id
+    return text if len(text) <= limit else f"{text[: limit - 20]}... ({len(session_id)} chars)"
+
+
 class Transport(ABC):
     """The engine-facing operations a :class:`TransportBackend` drives.
 
@@ -211,12 +217,15 @@ class TransportBackend(ABC):
     def _layouts(self, session_id: str) -> tuple[KVLayout, KVLayout]:
         with self._lock:
             local, peer = self._local, self._peers.get(session_id)
-            known = ", ".join(sorted(self._peers)) or "none"
+            known = sorted(self._peers)
         if local is None:
             raise InvalidTransferError("register_kv_buffers() must be called before send_kvcache()")
         if peer is None:
+            listed = ", ".join(_short(k, quote=False) for k in known[:8])
+            listed += f" and {len(known) - 8} more" if len(known) > 8 else ""
             raise InvalidTransferError(
-                f"session_id {session_id!r} is unknown: call add_peer(session_id, layout) first (known: {known})"
+                f"session_id {_short(session_id)} is unknown: call add_peer(session_id, layout) first "
+                f"(known: {listed or 'none'})"
             )
         return local, peer
 
