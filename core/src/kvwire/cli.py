@@ -1,4 +1,8 @@
-"""The ``kvwire`` command: ``check`` validates installed backends; ``bench`` moves a KV cache."""
+"""The ``kvwire`` command: validate backends, print the spec, lint a host's source, move a KV cache.
+
+Exit status of every subcommand: 0 success, 1 a failed check (drift, findings,
+an unverified transfer), 2 a usage or runtime error (one line, no traceback).
+"""
 
 from __future__ import annotations
 
@@ -87,7 +91,14 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvwire", description=__doc__)
     parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser("check", help="validate every installed backend against the hook spec")
+    check = sub.add_parser(
+        "check",
+        help="validate every installed backend against the hook spec",
+        description="Import, validate and ask the availability of every installed (allowed) backend, each in an "
+        "isolated child process with a time limit. Exit status: 0 every allowed backend is ok (or adapted, "
+        "without --strict), 1 one is not, or an allow-listed name is not installed, or two Mooncake engine "
+        "wheels are installed; 2 usage error.",
+    )
     check.add_argument("--json", action="store_true", help="print a JSON list of backends")
     check.add_argument("--strict", action="store_true", help="fail on 'adapted' backends too")
     check.add_argument("--backends", default=None, help="comma-separated allow-list (default: $KVWIRE_BACKENDS)")
@@ -99,10 +110,23 @@ def _parser() -> argparse.ArgumentParser:
         help=f"time limit of each backend's import, validation and availability() (default: {DEFAULT_TIMEOUT:g})",
     )
     check.set_defaults(func=_cmd_check)
-    spec = sub.add_parser("spec", help="print the backend hook spec of a version, or what changed between two")
+    spec = sub.add_parser(
+        "spec",
+        help="print the backend hook spec of a version, or what changed between two",
+        description="Print every hook's signature, the capabilities and the version history of the backend spec "
+        "(--version for an older one, --diff OLD NEW for the changes, --json for tools). Exit status: 0, or 2 "
+        "for an unknown version.",
+    )
     spec_view.add_arguments(spec)
     spec.set_defaults(func=spec_view.run)
-    bench = sub.add_parser("bench", help="move a realistic KV cache between a prefill and a decode process")
+    bench = sub.add_parser(
+        "bench",
+        help="move a realistic KV cache between a prefill and a decode process",
+        description="The main job: allocate a model preset's KV pools on a prefill and a decode side (a local "
+        "child, or --role decode on another machine), send fragmented requests through a backend, verify the "
+        "target pages and their guard pages on the decode side, and print throughput, latency and the compared "
+        "modes. Exit status: 0 verified, 1 a verification failed, 2 usage or transfer error.",
+    )
     from kvwire.benchmark.run import add_arguments, run
 
     add_arguments(bench)
