@@ -3,7 +3,8 @@
 Run by ``kvwire bench`` as a child, ``python -m kvwire.benchmark.decode '<json args>'``
 (control channel on stdin/stdout), or on another machine as
 ``kvwire bench --role decode --listen HOST:PORT`` (control channel over TCP;
-the prefill side's first command, ``start``, carries the same arguments).
+the prefill side's first command, ``start``, carries the same arguments;
+``tp``: ``[size, rank]`` makes it one decode rank of an attention-TP group).
 ``scramble`` sets the target pages to a byte value (memset speed) and records a
 digest of their guard pages (the pages just before and after every target
 run); ``verify`` then checks the target pages against the sender's digest and
@@ -77,7 +78,11 @@ def _start(args: dict[str, Any], host: str | None = None) -> tuple[Connection, K
     preset = get_preset(args["preset"])
     device = args.get("device", "cpu")
     entries = preset.entries(decode_side=True, device=device)
-    memory = allocate(entries, int(args["pages"]), preset.page_bytes, backing="auto", device=device)
+    tp = args.get("tp")  # [size, rank]: one decode rank of an attention-TP group, holding its heads
+    page_bytes = preset.page_bytes if tp is None else preset.heads(int(tp[0])).page_bytes
+    memory = allocate(entries, int(args["pages"]), page_bytes, backing="auto", device=device)
+    if tp is not None:
+        memory.layout = preset.rank_layout(memory.layout, int(tp[0]), int(tp[1]))
     memory.fill_random(int(args["seed"]))
     settings = dict(args.get("config", {}))
     if host is not None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvwire.errors import ConfigError
-from kvwire.layout import MemoryKind, Role
+from kvwire.layout import HeadLayout, KVLayout, MemoryKind, Role
 from kvwire.workload.memory import BufferEntry
 
 __all__ = ["PRESETS", "Preset", "get_preset"]
@@ -42,6 +42,30 @@ class Preset:
         elif decode_side and device != "cpu":
             kinds = ("device",)
         return [(layer, role, kind) for kind in kinds for role in roles for layer in range(self.num_layers)]
+
+    def check_tp(self, tp: int, flag: str) -> None:
+        """ConfigError unless an attention-TP group of ``tp`` ranks can hold this preset's KV heads (MHA only)."""
+        if self.attention != "mha":
+            raise ConfigError(
+                f"{flag} {tp}: preset {self.name!r} is MLA (never head-sliced); TP sizes other than 1 are for "
+                f"MHA presets ({', '.join(p.name for p in PRESETS.values() if p.attention == 'mha')})"
+            )
+        if tp < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {tp}")
+        heads = self.kv_heads
+        if (heads >= tp and heads % tp) or (heads < tp and tp % heads):
+            raise ConfigError(
+                f"{flag} {tp}: preset {self.name!r} has {heads} KV heads; the TP size must divide them "
+                f"or be a multiple of them"
+            )
+
+    def heads(self, tp: int) -> HeadLayout:
+        """How one rank of an attention-TP group of ``tp`` holds the KV heads (one replicated head when fewer)."""
+        return HeadLayout(max(1, self.kv_heads // tp), self.kv_heads, self.head_dim, self.dtype_bytes, self.page_tokens)
+
+    def rank_layout(self, layout: KVLayout, tp: int, rank: int) -> KVLayout:
+        """``layout`` (buffers of ``heads(tp).page_bytes``) recording TP size, rank and heads."""
+        return KVLayout(layout.buffers, tp, rank, self.heads(tp))
 
 
 PRESETS: dict[str, Preset] = {

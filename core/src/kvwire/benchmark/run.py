@@ -8,6 +8,7 @@ engine call (the ``raw_write`` extension) in the same run;
 ``--compare-uncoalesced`` sends one descriptor per page through it. Before
 every mode the decode side scrambles the target pages, so every mode is timed
 on the same memory state and only kvwire's own write can pass verification.
+``--prefill-tp``/``--decode-tp`` other than 1 run :mod:`kvwire.benchmark.tp`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 
 from kvwire.benchmark.decode import listen
 from kvwire.benchmark.presets import PRESETS, get_preset
+from kvwire.benchmark.tp import add_tp_arguments, check_tp_arguments, run_tp, tp_rows, uses_tp
 from kvwire.config import BackendConfig
 from kvwire.connection import Connection
 from kvwire.control import Channel, ChildProcess, PeerConnection, parse_address
@@ -83,6 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--compare-raw", action="store_true", help="also time the raw engine call, same descriptors")
     parser.add_argument("--compare-uncoalesced", action="store_true", help="also time one descriptor per page")
+    add_tp_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -108,6 +111,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
+    check_tp_arguments(args)
     if args.role == "decode" and not args.listen:
         raise ConfigError("--role decode needs --listen HOST:PORT")
     if args.role == "prefill" and args.listen:
@@ -171,6 +175,10 @@ def run(args: argparse.Namespace) -> int:
         "device": args.device,
         "config": config.to_dict(),
     }
+    if uses_tp(args):
+        progress = _Progress(args.requests, not args.json)
+        result, backing = run_tp(args, config, decode_args, pages_per_request, progress.step)
+        return _report(args, result, backing, "local children")
     decode = _decode_side(args, decode_args)
     try:
         peer = PeerDescription.from_dict(decode.read())
@@ -182,7 +190,12 @@ def run(args: argparse.Namespace) -> int:
             result = _measure(args, conn, pool, peer.endpoint, peer.layout, pages_per_request, decode)
     finally:
         decode.close()
-    result.update(backend=args.backend, preset=preset.name, backing=pool.backing, decode=args.peer or "local child")
+    return _report(args, result, pool.backing, args.peer or "local child")
+
+
+def _report(args: argparse.Namespace, result: dict[str, Any], backing: str, decode: str) -> int:
+    result.update(backend=args.backend, preset=args.preset, backing=backing, decode=decode)
+    result.update(prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -275,6 +288,7 @@ def _measure(
 
 
 def _print_table(r: dict[str, Any]) -> None:
+    unit = "pages" if "rank_pairs" not in r else "page or head-slice descriptors (all rank pairs)"
     rows = [
         ("backend", f"{r['backend']} ({r['preset']}, pools: {r['backing']}, decode side: {r['decode']})"),
         ("requests", f"{r['requests']} x {r['tokens']} tokens"),
@@ -286,8 +300,11 @@ def _print_table(r: dict[str, Any]) -> None:
         ),
         ("throughput", f"{r['gbps']:.3f} GB/s"),
         ("latency p50 / p99", f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f} ms"),
-        ("descriptors/request", f"{r['descriptors_before']} pages -> {r['descriptors_after']} after coalescing"),
+        ("descriptors/request", f"{r['descriptors_before']} {unit} -> {r['descriptors_after']} after coalescing"),
     ]
+    head, tail = tp_rows(r)
+    rows[1:1] = head
+    rows += tail
     if "raw_gbps" in r:
         rows.append(
             ("raw engine call", f"{r['raw_gbps']:.3f} GB/s   (kvwire/raw = {r['ratio']:.3f}, median per request)")

@@ -1,0 +1,285 @@
+"""``kvwire bench --prefill-tp P --decode-tp D``: a KV cache moved between attention-TP groups.
+
+The P prefill ranks are P connections in this process, each with its own pool
+holding its head slice (the layout records TP size, rank and heads); the D
+decode ranks are D decode child processes, likewise. Every request takes the
+same fragmented page ids on every rank and is sent from every prefill rank to
+each decode rank it is routed to (sglang's and vLLM's routing), one send after
+another, timed as one request. Each decode rank then checks its target pages
+against a digest this side computes independently from the prefill pools (the
+decode rank's heads gathered per token, from the sender that holds them), and
+its guard pages. ``--compare-same-tp`` sends the same pages, whole, from a
+1-rank prefill pool to an extra 1-rank decode child, interleaved per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvwire.benchmark.presets import Preset, get_preset
+from kvwire.config import BackendConfig
+from kvwire.connection import Connection
+from kvwire.control import ChildProcess
+from kvwire.errors import ConfigError
+from kvwire.peer import PeerDescription
+from kvwire.planning import plan_transfer
+from kvwire.registry import connect
+from kvwire.workload.fragment import place, run_lengths
+from kvwire.workload.memory import KVMemory, allocate, digest
+
+__all__ = [
+    "add_tp_arguments", "check_tp_arguments", "expected_digest", "heads_of", "routed", "run_tp", "tp_rows", "uses_tp",
+]
+
+Row = tuple[str, str]
+
+
+def add_tp_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill-tp", type=int, default=1, help="prefill attention-TP size (default 1; MHA presets)")
+    parser.add_argument("--decode-tp", type=int, default=1, help="decode attention-TP size (default 1; MHA presets)")
+    parser.add_argument(
+        "--compare-same-tp",
+        action="store_true",
+        help="also time the same pages sent whole from a 1-rank prefill to a 1-rank decode (TP sizes other than 1)",
+    )
+
+
+def uses_tp(args: argparse.Namespace) -> bool:
+    """The TP path: a prefill or decode TP size other than 1."""
+    return bool(args.prefill_tp != 1 or args.decode_tp != 1)
+
+
+def check_tp_arguments(args: argparse.Namespace) -> None:
+    """ConfigError for a TP combination the bench cannot run."""
+    p, d = args.prefill_tp, args.decode_tp
+    if not uses_tp(args):
+        if args.compare_same_tp:
+            raise ConfigError("--compare-same-tp compares TP sizes: give --prefill-tp or --decode-tp other than 1")
+        return
+    if args.role == "decode":
+        raise ConfigError("--prefill-tp and --decode-tp are the prefill side's options (the decode side is sent them)")
+    preset = get_preset(args.preset)
+    for flag, tp in (("--prefill-tp", p), ("--decode-tp", d)):
+        if tp != 1:  # 1 always fits; the flag that asked for TP is the one named
+            preset.check_tp(tp, flag)
+    if max(p, d) % min(p, d):
+        raise ConfigError(f"--prefill-tp {p} and --decode-tp {d}: the larger TP size must be a multiple of the smaller")
+    if args.peer:
+        raise ConfigError("--peer: a remote decode side is one rank; use --prefill-tp 1 --decode-tp 1 with --peer")
+    wanted = [f for f, on in (("--compare-raw", args.compare_raw), ("--compare-uncoalesced", args.compare_uncoalesced))
+              if on]
+    if wanted:
+        raise ConfigError(f"{' and '.join(wanted)}: single-rank only (--prefill-tp 1 --decode-tp 1)")
+
+
+def routed(prefill_tp: int, decode_tp: int, d: int) -> range:
+    """The prefill ranks decode rank ``d`` receives from (sglang/vLLM routing)."""
+    if prefill_tp <= decode_tp:
+        return range(d * prefill_tp // decode_tp, d * prefill_tp // decode_tp + 1)
+    ratio = prefill_tp // decode_tp
+    return range(d * ratio, (d + 1) * ratio)
+
+
+def heads_of(tp: int, rank: int, total: int) -> range:
+    """The global KV heads a rank holds (one replicated head when there are fewer heads than ranks)."""
+    if total >= tp:
+        return range(rank * (total // tp), (rank + 1) * (total // tp))
+    return range(rank // (tp // total), rank // (tp // total) + 1)
+
+
+def expected_digest(preset: Preset, pools: Sequence[KVMemory], decode_tp: int, d: int, src: NDArray[np.int64]) -> str:
+    """Digest of decode rank ``d``'s target pages as the prefill pools say they must be, in its buffer order.
+
+    Each of the rank's heads comes from the lowest-ranked of its senders that holds it.
+    """
+    prefill_tp, total = len(pools), preset.kv_heads
+    n, tokens, head_bytes = src.shape[0], preset.page_tokens, preset.head_dim * preset.dtype_bytes
+    senders = routed(prefill_tp, decode_tp, d)
+    source = []  # (prefill rank, its local head) of each of the decode rank's heads, in order
+    for g in heads_of(decode_tp, d, total):
+        p = next(p for p in senders if g in heads_of(prefill_tp, p, total))
+        source.append((p, g - heads_of(prefill_tp, p, total).start))
+    views = []
+    for i in range(len(pools[0].layout.buffers)):
+        gathered = {p: pools[p].host_view(i)[src].reshape(n, tokens, -1, head_bytes) for p in {p for p, _ in source}}
+        views.append(np.stack([gathered[p][:, :, h] for p, h in source], axis=2).reshape(n, -1))
+    return digest(views)
+
+
+@dataclass
+class _Decode:
+    """A decode child: its channel, description and buffer pointers."""
+
+    channel: ChildProcess
+    peer: PeerDescription
+
+    @property
+    def ptrs(self) -> list[int]:
+        return [b.base for b in self.peer.layout.buffers]
+
+
+@dataclass
+class _Prefill:
+    conn: Connection
+    pool: KVMemory
+
+
+def _decode_children(stack: ExitStack, args: dict[str, Any], ranks: Sequence[tuple[int, int]]) -> list[_Decode]:
+    """Start one decode child per (TP size, rank), all at once, then read their descriptions."""
+    channels = []
+    for tp, rank in ranks:
+        child = ChildProcess(
+            "kvwire.benchmark.decode",
+            [json.dumps({**args, "tp": [tp, rank], "seed": args["seed"] + tp * 100 + rank})],
+            what=f"decode process (TP {tp} rank {rank})",
+        )
+        stack.callback(child.close)
+        channels.append(child)
+    return [_Decode(c, PeerDescription.from_dict(c.read())) for c in channels]
+
+
+def _prefill_rank(
+    stack: ExitStack, args: argparse.Namespace, config: BackendConfig, pages: int, tp: int, rank: int
+) -> _Prefill:
+    preset = get_preset(args.preset)
+    pool = allocate(preset.entries(decode_side=False), pages, preset.heads(tp).page_bytes, backing="auto")
+    pool.layout = preset.rank_layout(pool.layout, tp, rank)
+    pool.fill_random(args.seed + 1000 + tp * 100 + rank)
+    conn = stack.enter_context(connect(args.backend, config))
+    conn.register_kv_buffers(pool.layout)
+    return _Prefill(conn, pool)
+
+
+def run_tp(
+    args: argparse.Namespace,
+    config: BackendConfig,
+    decode_args: dict[str, Any],
+    pages_per_request: int,
+    step: Callable[[str], None],
+) -> tuple[dict[str, Any], str]:
+    """Run the TP bench: the result (the single-rank bench's fields and the TP ones) and the pools' backing."""
+    p_tp, d_tp = args.prefill_tp, args.decode_tp
+    pool_pages = int(decode_args["pages"])
+    with ExitStack() as stack:
+        ranks = [(d_tp, d) for d in range(d_tp)] + ([(1, 0)] if args.compare_same_tp else [])
+        children = _decode_children(stack, decode_args, ranks)
+        decodes, same_decode = children[:d_tp], children[d_tp:]
+        prefills = [_prefill_rank(stack, args, config, pool_pages, p_tp, p) for p in range(p_tp)]
+        pairs = [(prefills[p], decodes[d]) for p in range(p_tp) for d in range(d_tp) if p in routed(p_tp, d_tp, d)]
+        same: tuple[_Prefill, _Decode] | None = None
+        if same_decode:  # a 1-rank prefill pool: prefill rank 0 when it is one
+            source = prefills[0] if p_tp == 1 else _prefill_rank(stack, args, config, pool_pages, 1, 0)
+            same = (source, same_decode[0])
+        one = np.array([0], np.int32)
+        for prefill, dec in pairs + ([same] if same else []):
+            prefill.conn.add_peer(dec.peer.endpoint, dec.peer.layout)
+            prefill.conn.send_kvcache(dec.peer.endpoint, one, dec.ptrs, one)  # warm-up: handshake
+        result = _measure(args, pairs, same, decodes, [p.pool for p in prefills], pages_per_request, pool_pages, step)
+    return result, prefills[0].pool.backing
+
+
+def _send(pairs: Sequence[tuple[_Prefill, _Decode]], src: NDArray[np.int32], dst: NDArray[np.int32]) -> int:
+    return sum(p.conn.send_kvcache(d.peer.endpoint, src, d.ptrs, dst) for p, d in pairs)
+
+
+def _measure(
+    args: argparse.Namespace,
+    pairs: list[tuple[_Prefill, _Decode]],
+    same: tuple[_Prefill, _Decode] | None,
+    decodes: list[_Decode],
+    pools: list[KVMemory],
+    pages_per_request: int,
+    pool_pages: int,
+    step: Callable[[str], None],
+) -> dict[str, Any]:
+    preset = get_preset(args.preset)
+    rng = np.random.default_rng(args.seed + 7)
+    latencies: list[float] = []
+    same_seconds = 0.0
+    ratios: list[float] = []  # per request: TP throughput / same-TP throughput
+    total = same_total = before = after = same_after = 0
+    verified = guards = True
+    for i in range(args.requests):
+        lengths = run_lengths(rng, pages_per_request, args.mean_run, args.run_shape)
+        src = place(rng, lengths, pool_pages).astype(np.int32)
+        dst = place(rng, lengths, pool_pages).astype(np.int32)
+        src64 = src.astype(np.int64)
+        pages = {"host_pages": dst.tolist(), "device_pages": None}
+        for prefill, dec in pairs:
+            plan = plan_transfer(prefill.pool.layout, dec.peer.layout, src, dec.ptrs, dst)
+            before += plan.descriptors_before
+            after += len(plan)
+        # (decode ranks, expected digests) checked after each mode
+        modes: list[tuple[str, list[tuple[_Decode, str]], list[tuple[_Prefill, _Decode]]]] = [
+            ("tp", [(dec, expected_digest(preset, pools, len(decodes), d, src64)) for d, dec in enumerate(decodes)],
+             pairs),
+        ]
+        if same is not None:
+            same_after += len(plan_transfer(same[0].pool.layout, same[1].peer.layout, src, same[1].ptrs, dst))
+            modes.append(("same", [(same[1], same[0].pool.digest(src64))], [same]))
+        timings: dict[str, tuple[int, float]] = {}
+        for name, checks, sends in modes[i % len(modes) :] + modes[: i % len(modes)]:
+            for dec, _ in checks:
+                dec.channel.request({"cmd": "scramble", **pages})
+            start = time.perf_counter()
+            moved = _send(sends, src, dst)
+            timings[name] = (moved, time.perf_counter() - start)
+            for dec, expected in checks:
+                answer = dec.channel.request({"cmd": "verify", "digest": expected, **pages})
+                verified = verified and answer.get("ok") is True
+                guards = guards and answer.get("guards_ok") is True
+        moved, elapsed = timings["tp"]
+        total += moved
+        latencies.append(elapsed)
+        if "same" in timings:
+            same_moved, same_elapsed = timings["same"]
+            same_total += same_moved
+            same_seconds += same_elapsed
+            ratios.append((moved / elapsed) / (same_moved / same_elapsed))
+        step("verified" if verified and guards else "MISMATCH")
+    seconds = sum(latencies)
+    result: dict[str, Any] = {
+        "requests": args.requests,
+        "tokens": args.tokens,
+        "bytes": total,
+        "verified": verified,
+        "guards_unchanged": guards,
+        "gbps": round(total / seconds / 1e9, 3) if seconds else 0.0,
+        "p50_ms": round(float(np.percentile(latencies, 50)) * 1e3, 2),
+        "p99_ms": round(float(np.percentile(latencies, 99)) * 1e3, 2),
+        "descriptors_before": before // args.requests,
+        "descriptors_after": after // args.requests,
+        "rank_pairs": len(pairs),
+    }
+    if same is not None:
+        result["same_tp_bytes"] = same_total
+        result["same_tp_gbps"] = round(same_total / same_seconds / 1e9, 3) if same_seconds else 0.0
+        result["same_tp_descriptors"] = same_after // args.requests
+        result["tp_ratio"] = round(statistics.median(ratios), 3)
+    return result
+
+
+def tp_rows(r: dict[str, Any]) -> tuple[list[Row], list[Row]]:
+    """Table rows of a TP run: (after the backend row, at the end); none for a single-rank run."""
+    if "rank_pairs" not in r:
+        return [], []
+    head = [("attention TP", f"prefill {r['prefill_tp']} -> decode {r['decode_tp']}, "
+             f"{r['rank_pairs']} rank pairs per request (sent one after another, timed together)")]
+    tail = []
+    if "same_tp_gbps" in r:
+        tail.append((
+            "same TP (1 -> 1)",
+            f"{r['same_tp_gbps']:.3f} GB/s, {r['same_tp_descriptors']} descriptors/request   "
+            f"(TP/same-TP = {r['tp_ratio']:.3f}, median per request)",
+        ))
+    return head, tail
