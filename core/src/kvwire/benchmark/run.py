@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -48,6 +49,12 @@ def _option(text: str) -> tuple[str, str]:
     return key, value
 
 
+def _device(text: str) -> str:
+    if re.fullmatch(r"cpu|cuda(:\d+)?", text) is None:
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default=None, help="backend name (one that reaches other processes)")
     parser.add_argument(
@@ -72,8 +79,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="geometric",
         help="run lengths: geometric with mean --mean-run (default), or all exactly --mean-run",
     )
-    parser.add_argument("--device", default="cpu", help="where decode-side device buffers live (cpu, cuda)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        type=_device,
+        help="where decode-side device buffers live: cpu (default), cuda or cuda:N (needs torch with CUDA)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random pages and bytes (default 0)")
     parser.add_argument("--timeout", type=float, default=10.0, help="transfer timeout in seconds")
     parser.add_argument(
         "--option",
