@@ -191,12 +191,13 @@ def _fork_all(jobs: list[Job], timeout: float, send: Send, channel: int) -> None
                 fork.answered = True
             send(message)
 
-    def finish(pid: int, fork: _Fork, info: BackendInfo) -> None:
-        if fork.fd is not None:
+    def finish(pid: int, fork: _Fork, *, code: int | None = None, timed_out: bool = False) -> None:
+        if fork.fd is not None:  # drain first: the last phase the fork reported may still be in the pipe
             handle(fork, _read_lines(fork, drain=True))
             if fork.fd is not None:
                 os.close(fork.fd)
         if not fork.answered:
+            info = verdict(fork.job, fork.phase, timeout=timeout if timed_out else None, code=code)
             send({"name": fork.job.name, "info": info.to_dict()})
         del running[pid]
 
@@ -220,11 +221,11 @@ def _fork_all(jobs: list[Job], timeout: float, send: Send, channel: int) -> None
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 code = os.waitstatus_to_exitcode(status)
-                finish(pid, fork, verdict(fork.job, fork.phase, code=code))
+                finish(pid, fork, code=code)
             elif now >= fork.deadline:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                finish(pid, fork, verdict(fork.job, fork.phase, timeout=timeout))
+                finish(pid, fork, timed_out=True)
     signal.set_wakeup_fd(-1)
     os.close(wake_r)
     os.close(wake_w)
