@@ -7,6 +7,7 @@ an unverified transfer), 2 a usage or runtime error (one line, no traceback).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import math
@@ -14,7 +15,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-from kvwire import spec_view
 from kvwire.about import VersionAction, engine_conflict
 from kvwire.errors import ConfigError, KvwireError
 from kvwire.isolation import DEFAULT_TIMEOUT, check_isolated
@@ -87,6 +87,33 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 1 if failed or unknown or clash else 0
 
 
+#: name -> (help, description, module with ``add_arguments(parser)`` and ``run(args) -> int``)
+_SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "spec": (
+        "print the backend hook spec of a version, or what changed between two",
+        "Print every hook's signature, the capabilities and the version history of the backend spec "
+        "(--version for an older one, --diff OLD NEW for the changes, --json for tools). Exit status: 0, or 2 "
+        "for an unknown version.",
+        "kvwire.spec_view",
+    ),
+    "bench": (
+        "move a realistic KV cache between a prefill and a decode process",
+        "The main job: allocate a model preset's KV pools on a prefill and a decode side (a local child, or "
+        "--role decode on another machine), send fragmented requests through a backend, verify the target pages "
+        "and their guard pages on the decode side, and print throughput, latency and the compared modes. Exit "
+        "status: 0 verified, 1 a verification failed, 2 usage or transfer error.",
+        "kvwire.benchmark.run",
+    ),
+    "lint": (
+        "find overrides whose signature drifted from the method they override, in a source tree (ast only)",
+        "Read a Python source tree with ast (nothing is imported) and report every override that does not accept "
+        "a parameter of the method it overrides, and every keyword a call through self. in the base passes that "
+        "an override lacks. Exit status: 0 no finding, 1 findings, 2 usage error.",
+        "kvwire.lint.cli",
+    ),
+}
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvwire", description=__doc__)
     parser.add_argument("--version", action=VersionAction)
@@ -110,39 +137,11 @@ def _parser() -> argparse.ArgumentParser:
         help=f"time limit of each backend's import, validation and availability() (default: {DEFAULT_TIMEOUT:g})",
     )
     check.set_defaults(func=_cmd_check)
-    spec = sub.add_parser(
-        "spec",
-        help="print the backend hook spec of a version, or what changed between two",
-        description="Print every hook's signature, the capabilities and the version history of the backend spec "
-        "(--version for an older one, --diff OLD NEW for the changes, --json for tools). Exit status: 0, or 2 "
-        "for an unknown version.",
-    )
-    spec_view.add_arguments(spec)
-    spec.set_defaults(func=spec_view.run)
-    bench = sub.add_parser(
-        "bench",
-        help="move a realistic KV cache between a prefill and a decode process",
-        description="The main job: allocate a model preset's KV pools on a prefill and a decode side (a local "
-        "child, or --role decode on another machine), send fragmented requests through a backend, verify the "
-        "target pages and their guard pages on the decode side, and print throughput, latency and the compared "
-        "modes. Exit status: 0 verified, 1 a verification failed, 2 usage or transfer error.",
-    )
-    from kvwire.benchmark.run import add_arguments, run
-
-    add_arguments(bench)
-    bench.set_defaults(func=run)
-    lint = sub.add_parser(
-        "lint",
-        help="find overrides whose signature drifted from the method they override, in a source tree (ast only)",
-        description="Read a Python source tree with ast (nothing is imported) and report every override that does "
-        "not accept a parameter of the method it overrides, and every keyword a call through self. in the base "
-        "passes that an override lacks. Exit status: 0 no finding, 1 findings, 2 usage error.",
-    )
-    from kvwire.lint.cli import add_arguments as add_lint_arguments
-    from kvwire.lint.cli import run as run_lint
-
-    add_lint_arguments(lint)
-    lint.set_defaults(func=run_lint)
+    for name, (summary, description, module) in _SUBCOMMANDS.items():
+        command = sub.add_parser(name, help=summary, description=description)
+        handler = importlib.import_module(module)
+        handler.add_arguments(command)
+        command.set_defaults(func=handler.run)
     return parser
 
 

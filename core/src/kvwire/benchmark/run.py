@@ -27,6 +27,7 @@ import numpy as np
 
 from kvwire.benchmark.decode import listen
 from kvwire.benchmark.presets import PRESETS, get_preset
+from kvwire.benchmark.results import summary
 from kvwire.benchmark.tp import add_tp_arguments, check_tp_arguments, run_tp, tp_rows, uses_tp
 from kvwire.config import BackendConfig
 from kvwire.connection import Connection
@@ -116,10 +117,6 @@ class _Progress:
             sys.stderr.flush()
             if self.done == self.total:
                 sys.stderr.write("\n")
-
-
-def _percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(np.array(values), q)) if values else 0.0
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
@@ -258,6 +255,7 @@ def _measure(
         # Identical bytes to identical places in every mode, each after the same scramble; the order
         # rotates per request so that drift in the machine's load falls on every mode alike.
         timings: dict[str, float] = {}
+        expected = pool.digest(src.astype(np.int64))  # before any mode: no mode follows the sender's digest pass
         for name, call in modes[i % len(modes) :] + modes[: i % len(modes)]:
             decode.request({"cmd": "scramble", **pages})
             start = time.perf_counter()
@@ -270,25 +268,15 @@ def _measure(
             assert isinstance(outcome, int)
             latencies.append(elapsed)
             total += outcome
-            answer = decode.request({"cmd": "verify", "digest": pool.digest(src.astype(np.int64)), **pages})
+            answer = decode.request({"cmd": "verify", "digest": expected, **pages})
             verified = verified and answer.get("ok") is True  # anything else from the decode side: not verified
             guards = guards and answer.get("guards_ok") is True
         for name in paired.keys() & timings.keys():
             paired[name].append(timings[name] / timings["kvwire"])
         progress.step("verified" if verified and guards else "MISMATCH")
-    seconds = sum(latencies)
-    result: dict[str, Any] = {
-        "requests": args.requests,
-        "tokens": args.tokens,
-        "bytes": total,
-        "verified": verified,
-        "guards_unchanged": guards,
-        "gbps": round(total / seconds / 1e9, 3) if seconds else 0.0,
-        "p50_ms": round(_percentile(latencies, 50) * 1e3, 2),
-        "p99_ms": round(_percentile(latencies, 99) * 1e3, 2),
-        "descriptors_before": before // args.requests,
-        "descriptors_after": after // args.requests,
-    }
+    result = summary(
+        args.requests, args.tokens, total, latencies, verified=verified, guards=guards, descriptors=(before, after)
+    )
     if args.compare_raw:
         result["raw_gbps"] = round(total / seconds_by_mode["raw"] / 1e9, 3)
         # Paired per request (the same bytes, back to back), then the median: robust to a noisy machine.

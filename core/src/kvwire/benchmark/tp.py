@@ -27,6 +27,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.benchmark.presets import Preset, get_preset
+from kvwire.benchmark.results import summary
 from kvwire.config import BackendConfig
 from kvwire.connection import Connection
 from kvwire.control import ChildProcess
@@ -247,20 +248,10 @@ def _measure(
             same_seconds += same_elapsed
             ratios.append((moved / elapsed) / (same_moved / same_elapsed))
         step("verified" if verified and guards else "MISMATCH")
-    seconds = sum(latencies)
-    result: dict[str, Any] = {
-        "requests": args.requests,
-        "tokens": args.tokens,
-        "bytes": total,
-        "verified": verified,
-        "guards_unchanged": guards,
-        "gbps": round(total / seconds / 1e9, 3) if seconds else 0.0,
-        "p50_ms": round(float(np.percentile(latencies, 50)) * 1e3, 2),
-        "p99_ms": round(float(np.percentile(latencies, 99)) * 1e3, 2),
-        "descriptors_before": before // args.requests,
-        "descriptors_after": after // args.requests,
-        "rank_pairs": len(pairs),
-    }
+    result = summary(
+        args.requests, args.tokens, total, latencies, verified=verified, guards=guards, descriptors=(before, after)
+    )
+    result["rank_pairs"] = len(pairs)
     if same is not None:
         result["same_tp_bytes"] = same_total
         result["same_tp_gbps"] = round(same_total / same_seconds / 1e9, 3) if same_seconds else 0.0

@@ -11,7 +11,7 @@ distribution adds is the declared capability, validated as its own class.
 from __future__ import annotations
 
 from kvwire import BackendConfig, TransportBackend
-from kvwire_mooncake.backend import engine_availability
+from kvwire_mooncake.backend import MooncakeBackend, engine_availability
 from kvwire_mooncake.transport import MooncakeTransport
 
 __all__ = ["HiSparseBackend"]
@@ -21,19 +21,7 @@ class HiSparseBackend(TransportBackend):
     """Mooncake transport with split host/device destinations."""
 
     spec_version = "1.4"
-    capabilities = frozenset(
-        {
-            "layer_ids",
-            "device_kv_indices",
-            "head_slicing",
-            "mha",
-            "mla",
-            "host_memory",
-            "device_memory",
-            "interprocess",
-            "raw_write",
-        }
-    )
+    capabilities = MooncakeBackend.capabilities | {"device_kv_indices"}  # the same transport, split destinations
 
     @classmethod
     def availability(cls) -> str | None:
