@@ -12,9 +12,7 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "core"))
-
-import plugin_wheels
+import plugin_wheels  # next to this file: pytest puts this directory on sys.path for its conftest
 
 
 @pytest.fixture(scope="session")
