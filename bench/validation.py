@@ -21,7 +21,7 @@ from importlib import metadata
 import pluggy
 
 import kvwire
-from kvwire.findings import PluginOrigin
+from kvwire.findings import BackendOrigin
 from kvwire.markers import ENTRY_POINT_GROUP, PROJECT_NAME
 
 
@@ -56,7 +56,7 @@ def main() -> None:
         except Exception as exc:
             rows.append({"backend": ep.name, "error": repr(exc)})
             continue
-        origin = PluginOrigin(
+        origin = BackendOrigin(
             ep.name, ep.dist.name if ep.dist else None, ep.dist.version if ep.dist else None, ep.value
         )
         kvwire.validate_backend(cls, origin)  # warm caches of the spec itself

@@ -147,7 +147,7 @@ POLICY_SCRIPT = textwrap.dedent(
     try:
         infos = reg.load()
     except kvwire.BackendDriftError as exc:
-        plugins = sorted({{f.plugin for f in exc.findings}})
+        plugins = sorted({{f.backend for f in exc.findings}})
         print("DRIFT", plugins)
         raise SystemExit(0)
     print("LOADED", sorted(i.name for i in infos if i.usable))

@@ -20,7 +20,7 @@ from types import ModuleType
 import pytest
 
 import kvwire
-from kvwire.findings import PluginOrigin
+from kvwire.findings import BackendOrigin
 from kvwire.protocol import BackendProtocol
 from kvwire.spec import CURRENT, BackendSpec, spec_hooks
 
@@ -165,7 +165,7 @@ def _load(tmp_path: Path, name: str) -> ModuleType:
 
 
 def _rules(tmp_path: Path, name: str) -> set[str]:
-    result = kvwire.validate_backend(_load(tmp_path, name).Backend, PluginOrigin(name))
+    result = kvwire.validate_backend(_load(tmp_path, name).Backend, BackendOrigin(name))
     return {f.rule for f in result.findings}
 
 

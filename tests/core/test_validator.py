@@ -12,11 +12,11 @@ from numpy.typing import NDArray
 
 import kvwire
 from kvwire.annotations import annotation_key
-from kvwire.findings import PluginOrigin
+from kvwire.findings import BackendOrigin
 
 from backends_for_tests import Recorder, Recorder11
 
-ORIGIN = PluginOrigin("t", "kvtest", "1.0", "mod:Cls")
+ORIGIN = BackendOrigin("t", "kvtest", "1.0", "mod:Cls")
 
 
 @pytest.mark.parametrize(

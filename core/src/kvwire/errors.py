@@ -85,8 +85,8 @@ class BackendDriftError(BackendError):
 
     def __init__(self, findings: Sequence[Finding]) -> None:
         self.findings: tuple[Finding, ...] = tuple(findings)
-        plugins = sorted({f.plugin for f in self.findings})
-        head = f"{len(self.findings)} hook-specification finding(s) in backend(s) {', '.join(plugins)}:"
+        backends = sorted({f.backend for f in self.findings})
+        head = f"{len(self.findings)} hook-specification finding(s) in backend(s) {', '.join(backends)}:"
         super().__init__("\n\n".join([head, *(f.render() for f in self.findings)]))
 
 

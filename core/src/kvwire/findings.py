@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Finding", "PluginOrigin", "Rule"]
+__all__ = ["Finding", "BackendOrigin", "Rule"]
 
 Rule = Literal[
     "missing-parameter",
@@ -23,7 +23,7 @@ Rule = Literal[
 ]
 
 @dataclass(frozen=True)
-class PluginOrigin:
+class BackendOrigin:
     """Where a backend comes from: its name, distribution, version and entry point."""
 
     name: str
@@ -41,7 +41,7 @@ class PluginOrigin:
 class Finding:
     """One way a backend differs from the spec, with both signatures and the fix."""
 
-    plugin: str
+    backend: str
     distribution: str | None
     version: str | None
     entry_point: str | None
@@ -60,7 +60,7 @@ class Finding:
 
     def render(self) -> str:
         """Multi-line text for logs and the CLI."""
-        origin = PluginOrigin(self.plugin, self.distribution, self.version, self.entry_point)
+        origin = BackendOrigin(self.backend, self.distribution, self.version, self.entry_point)
         inherited = "" if self.defined_in is None else f" ({self.where})"
         return (
             f"[{self.rule}] {origin.describe()}, hook {self.hook}{inherited}: {self.message}\n"

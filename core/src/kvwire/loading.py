@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Literal
 
-from kvwire.findings import Finding, PluginOrigin
+from kvwire.findings import BackendOrigin, Finding
 from kvwire.validator import Status, validate_backend
 
 __all__ = ["BackendInfo", "Phase", "dist_of", "did_you_mean", "load_backend", "module_of"]
@@ -50,8 +50,8 @@ class BackendInfo:
         return self.status in ("ok", "adapted") and self.cls is not None
 
     @property
-    def origin(self) -> PluginOrigin:
-        return PluginOrigin(self.name, self.distribution, self.version, self.entry_point)
+    def origin(self) -> BackendOrigin:
+        return BackendOrigin(self.name, self.distribution, self.version, self.entry_point)
 
     def reason(self) -> str:
         """One line saying why the backend is (not) usable."""
@@ -185,10 +185,10 @@ def load_backend(
     except BaseException as exc:  # one plugin's import must not stop the others, nor end the process
         log.warning("kvwire: backend %r (%s %s) failed to import: %r", name, dist, version, exc)
         return BackendInfo(name, dist, version, ep.value, "import-error", error=_raised(exc, "at import"))
-    return validated(name, cls, PluginOrigin(name, dist, version, ep.value), phase)
+    return validated(name, cls, BackendOrigin(name, dist, version, ep.value), phase)
 
 
-def validated(name: str, cls: Any, origin: PluginOrigin, phase: Callable[[Phase], None] = _no_phase) -> BackendInfo:
+def validated(name: str, cls: Any, origin: BackendOrigin, phase: Callable[[Phase], None] = _no_phase) -> BackendInfo:
     """Validate an imported backend class (and probe its runtime when it validates)."""
     phase("validate")
     try:

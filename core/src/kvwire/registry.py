@@ -33,7 +33,7 @@ from kvwire.errors import (
     DuplicateBackendError,
     UnsupportedFeatureError,
 )
-from kvwire.findings import PluginOrigin
+from kvwire.findings import BackendOrigin
 from kvwire.loading import BackendInfo, did_you_mean, dist_of, load_backend, module_of, validated
 from kvwire.markers import ENTRY_POINT_GROUP
 from kvwire.once import ProcessWide
@@ -236,7 +236,7 @@ class Registry:
                 )
             module = getattr(cls, "__module__", "?")
             qualname = getattr(cls, "__qualname__", repr(cls))
-            info = validated(name, cls, PluginOrigin(name, None, None, f"{module}:{qualname}"))
+            info = validated(name, cls, BackendOrigin(name, None, None, f"{module}:{qualname}"))
             if info.status == "drift" and self.policy == "strict":
                 raise BackendDriftError(info.findings)
             self._runtime[name] = info

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from kvwire.capabilities import FEATURES
 from kvwire.config import BackendConfig
-from kvwire.findings import Finding, PluginOrigin
+from kvwire.findings import BackendOrigin, Finding
 from kvwire.markers import IMPL_ATTR
 from kvwire.signatures import EMPTY, VAR_KINDS, Issue, compare_annotation, compare_hook, impl_parameters
 from kvwire.spec import CURRENT, PARAMETER_FEATURES, SpecHook, SpecVersion, features_at, known_versions, spec_hooks
@@ -276,7 +276,7 @@ def _declared_version(cls: type) -> tuple[str | None, SpecVersion | None, list[I
     )
 
 
-def validate_backend(cls: object, origin: PluginOrigin) -> ValidationResult:
+def validate_backend(cls: object, origin: BackendOrigin) -> ValidationResult:
     """Validate one backend class against the spec; never raises for a bad backend."""
     if not isinstance(cls, type):
         finding = Finding(
@@ -321,7 +321,7 @@ def validate_backend(cls: object, origin: PluginOrigin) -> ValidationResult:
     return ValidationResult(status, str(version), declared_text, capabilities, findings)
 
 
-def _to_finding(issue: Issue, origin: PluginOrigin) -> Finding:
+def _to_finding(issue: Issue, origin: BackendOrigin) -> Finding:
     return Finding(
         origin.name,
         origin.distribution,

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import kvwire
-from kvwire.findings import PluginOrigin
+from kvwire.findings import BackendOrigin
 from kvwire_template.backend import TemplateBackend
 
 
 def test_validates_against_the_spec() -> None:
-    result = kvwire.validate_backend(TemplateBackend, PluginOrigin("template"))
+    result = kvwire.validate_backend(TemplateBackend, BackendOrigin("template"))
     assert (result.status, result.findings) == ("ok", ())
 
 
