@@ -226,6 +226,7 @@ def _measure(
     split = peer_layout.is_split
     latencies: list[float] = []
     seconds_by_mode = {"raw": 0.0, "uncoalesced": 0.0}
+    modes_verified: dict[str, bool] = {}  # the compared modes' writes are verified too
     paired: dict[str, list[float]] = {"raw": [], "uncoalesced": []}  # per request: other mode's time / kvwire's
     total = 0
     verified = guards = True
@@ -252,8 +253,9 @@ def _measure(
         if args.compare_uncoalesced:
             flat = plan_transfer(pool.layout, peer_layout, src, ptrs, dst, None, dev, coalesce=False)
             modes.append(("uncoalesced", partial(conn.raw_write, endpoint, flat)))
-        # Identical bytes to identical places in every mode, each after the same scramble; the order
-        # rotates per request so that drift in the machine's load falls on every mode alike.
+        # Identical bytes to identical places in every mode, each between the same scramble and the same
+        # verification; the order rotates per request so that drift in the machine's load falls on every
+        # mode alike.
         timings: dict[str, float] = {}
         expected = pool.digest(src.astype(np.int64))  # before any mode: no mode follows the sender's digest pass
         for name, call in modes[i % len(modes) :] + modes[: i % len(modes)]:
@@ -262,14 +264,16 @@ def _measure(
             outcome = call()
             elapsed = time.perf_counter() - start
             timings[name] = elapsed
+            answer = decode.request({"cmd": "verify", "digest": expected, **pages})
+            ok = answer.get("ok") is True and answer.get("guards_ok") is True  # anything else: not verified
             if name != "kvwire":
                 seconds_by_mode[name] += elapsed
+                modes_verified[name] = modes_verified.get(name, True) and ok
                 continue
             assert isinstance(outcome, int)
             latencies.append(elapsed)
             total += outcome
-            answer = decode.request({"cmd": "verify", "digest": expected, **pages})
-            verified = verified and answer.get("ok") is True  # anything else from the decode side: not verified
+            verified = verified and answer.get("ok") is True
             guards = guards and answer.get("guards_ok") is True
         for name in paired.keys() & timings.keys():
             paired[name].append(timings[name] / timings["kvwire"])
@@ -277,6 +281,7 @@ def _measure(
     result = summary(
         args.requests, args.tokens, total, latencies, verified=verified, guards=guards, descriptors=(before, after)
     )
+    result.update({f"{name}_verified": ok for name, ok in modes_verified.items()})
     if args.compare_raw:
         result["raw_gbps"] = round(total / seconds_by_mode["raw"] / 1e9, 3)
         # Paired per request (the same bytes, back to back), then the median: robust to a noisy machine.
