@@ -23,6 +23,7 @@ class NixlBackend(kvwire.TransportBackend):
         {
             "layer_ids",
             "device_kv_indices",
+            "head_slicing",
             "mha",
             "mla",
             "host_memory",
