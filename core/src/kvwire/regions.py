@@ -9,7 +9,9 @@ transport: ranges are kept sorted, and a whole plan is checked with one
 
 from __future__ import annotations
 
+import itertools
 import threading
+from collections.abc import Iterable
 
 import numpy as np
 from numpy.typing import NDArray
@@ -97,6 +99,36 @@ class RegionSet:
         ends = np.array([a + n for a, n in items], dtype=np.int64)
         self._index = (starts, ends)  # one assignment: readers never see a mixed pair
 
+    @classmethod
+    def of(cls, ranges: Iterable[tuple[int, int]]) -> RegionSet:
+        """A set of many ``(base, nbytes)`` ranges at once: sorted once, InvalidTransferError on an overlap.
+
+        For a peer's whole table of registered ranges, where adding one by one
+        would check every pair.
+        """
+        regions = cls()
+        checked = sorted(cls.checked_range(base, nbytes) for base, nbytes in ranges)
+        for (start, size), (nxt, nxt_size) in itertools.pairwise(checked):
+            if nxt < start + size:
+                raise InvalidTransferError(
+                    f"range [{nxt:#x}, {nxt + nxt_size:#x}) overlaps the registered range "
+                    f"[{start:#x}, {start + size:#x})"
+                )
+        regions._sizes = dict(checked)
+        regions._reindex()
+        return regions
+
+    def first_outside(self, addrs: NDArray[np.int64], lengths: NDArray[np.int64]) -> int | None:
+        """The first ``i`` whose ``[addrs[i], addrs[i] + lengths[i])`` lies inside no one range, or None."""
+        if addrs.size == 0:
+            return None
+        starts, ends = self._index
+        if starts.size == 0:
+            return 0
+        idx = np.searchsorted(starts, addrs, side="right") - 1
+        ok = (idx >= 0) & (lengths > 0) & (lengths <= ends[np.maximum(idx, 0)] - addrs)  # cannot overflow
+        return None if ok.all() else int(np.argmin(ok))
+
     def check(
         self,
         addrs: NDArray[np.int64],
@@ -106,7 +138,8 @@ class RegionSet:
         where: str = "local memory",
     ) -> None:
         """Raise InvalidTransferError unless each ``[addrs[i], addrs[i] + lengths[i])`` is inside one range."""
-        if addrs.size == 0:
+        i = self.first_outside(addrs, lengths)
+        if i is None:
             return
         starts, ends = self._index
         a, n = names
@@ -114,15 +147,8 @@ class RegionSet:
             raise InvalidTransferError(
                 f"{a}[0] = {int(addrs[0]):#x} is not in registered {where}: nothing is registered"
             )
-        idx = np.searchsorted(starts, addrs, side="right") - 1
-        inside = idx >= 0
-        idx = np.maximum(idx, 0)
-        ok = inside & (lengths > 0) & (lengths <= ends[idx] - addrs)  # written so that it cannot overflow
-        if not ok.all():
-            i = int(np.argmin(ok))
-            j = int(idx[i])
-            near = f"; nearest registered range [{int(starts[j]):#x}, {int(ends[j]):#x})" if inside[i] else ""
-            raise InvalidTransferError(
-                f"{a}[{i}] = {int(addrs[i]):#x} with {n}[{i}] = {int(lengths[i])} is not inside registered "
-                f"{where}{near}"
-            )
+        j = int(np.searchsorted(starts, addrs[i], side="right")) - 1
+        near = f"; nearest registered range [{int(starts[j]):#x}, {int(ends[j]):#x})" if j >= 0 else ""
+        raise InvalidTransferError(
+            f"{a}[{i}] = {int(addrs[i]):#x} with {n}[{i}] = {int(lengths[i])} is not inside registered {where}{near}"
+        )

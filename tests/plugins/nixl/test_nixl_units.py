@@ -228,17 +228,6 @@ def test_a_missing_ucx_plugin_is_reported(monkeypatch: pytest.MonkeyPatch) -> No
     assert reason is not None and "UCX plugin (libplugin_UCX.so) was not found in nixl_cu12" in reason
 
 
-def test_region_index_finds_ranges_outside_and_overlaps() -> None:
-    index = RegionIndex.of(REGIONS)
-    addrs, lengths = np.array([0x10000, 0x20000, 0x20800], np.int64), np.array([0x1000, 0x2000, 0x1000], np.int64)
-    assert index.outside(addrs, lengths) is None
-    assert index.outside(np.array([0x10800], np.int64), np.array([0x1000], np.int64)) == 0  # straddles the end
-    assert index.outside(np.array([0x8000], np.int64), np.array([1], np.int64)) == 0  # before every region
-    assert RegionIndex.of(()).outside(addrs, lengths) == 0
-    assert index.overlapping() is None
-    assert RegionIndex.of((*REGIONS, Region(0x20800, 16, "DRAM", 0))).overlapping() == 1
-
-
 def test_the_agent_name_is_read_from_nixl_metadata_before_loading_it() -> None:
     blob = b"nixlSerDes|Agent" + (5).to_bytes(8, "little") + b"alpha|Conns..."
     assert metadata_agent(blob) == "alpha"

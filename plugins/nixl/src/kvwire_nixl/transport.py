@@ -79,12 +79,16 @@ class NixlTransport(kvwire.Transport):
     def add_peer(self, session_id: str, layout: kvwire.KVLayout) -> None:
         """Load the peer's NIXL metadata from its endpoint; its layout must lie in memory it registered."""
         info = decode_endpoint(session_id)
+        try:
+            registered = kvwire.RegionSet.of((r.base, r.nbytes) for r in info.regions)
+        except kvwire.InvalidTransferError as exc:
+            raise kvwire.InvalidTransferError(
+                f"the endpoint of agent {info.agent} lists overlapping regions: {exc}"
+            ) from None
         regions = RegionIndex.of(info.regions)
-        if (i := regions.overlapping()) is not None:
-            raise kvwire.InvalidTransferError(f"the endpoint of agent {info.agent} lists overlapping regions ({i})")
         bases = np.array([b.base for b in layout.buffers], dtype=np.int64)
         sizes = np.array([b.nbytes for b in layout.buffers], dtype=np.int64)
-        if bases.size and (i := regions.outside(bases, sizes)) is not None:
+        if (i := registered.first_outside(bases, sizes)) is not None:
             raise kvwire.InvalidTransferError(
                 f"the peer layout does not match its endpoint: buffer {i} [{int(bases[i]):#x}, +{int(sizes[i])}) is "
                 f"not in memory agent {info.agent} registered (read the endpoint after register_kv_buffers())"

@@ -40,10 +40,12 @@ _DONE, _PROC = "DONE", "PROC"
 
 @dataclass(frozen=True)
 class RegionIndex:
-    """Registered regions sorted by base, for mapping addresses to (segment, device)."""
+    """Registered regions sorted by base, for mapping addresses to (segment, device).
+
+    Whether an address lies inside a region is :class:`kvwire.RegionSet`'s check.
+    """
 
     starts: NDArray[np.int64]
-    ends: NDArray[np.int64]
     keys: NDArray[np.int64]  # segment code * 2**16 + device, per region
     uniform: int | None  # the one key of every region, when they share it
 
@@ -53,21 +55,7 @@ class RegionIndex:
         keys = np.array([_key(r.segment, r.device) for r in ordered], dtype=np.int64)
         uniform = int(keys[0]) if keys.size and (keys == keys[0]).all() else None
         starts = np.array([r.base for r in ordered], dtype=np.int64)
-        ends = np.array([r.base + r.nbytes for r in ordered], dtype=np.int64)
-        return cls(starts, ends, keys, uniform)
-
-    def overlapping(self) -> int | None:
-        """The position (by base) of a region overlapping the next one, or None."""
-        bad = np.flatnonzero(self.ends[:-1] > self.starts[1:])
-        return int(bad[0]) if bad.size else None
-
-    def outside(self, addresses: NDArray[np.int64], lengths: NDArray[np.int64]) -> int | None:
-        """The first ``i`` whose ``[addresses[i], addresses[i] + lengths[i])`` is in no region, or None."""
-        if self.starts.size == 0:
-            return 0 if addresses.size else None
-        idx = np.searchsorted(self.starts, addresses, side="right") - 1
-        ok = (idx >= 0) & (lengths > 0) & (lengths <= self.ends[np.maximum(idx, 0)] - addresses)
-        return None if ok.all() else int(np.argmin(ok))
+        return cls(starts, keys, uniform)
 
     def keys_of(self, addresses: NDArray[np.int64]) -> NDArray[np.int64] | int:
         """Each address's region key (addresses are inside regions: checked before)."""
