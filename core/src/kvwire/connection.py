@@ -217,18 +217,7 @@ class Connection:
         peer = self._peers.get(session_id)
         if (dst_kv_item_len is not None or dst_attn_tp_size is not None) and self._local and peer:
             check_peer_shape(self._local, peer, dst_layer_ids, dst_kv_item_len, dst_attn_tp_size)
-        moved = self._call(
-            "send_kvcache",
-            session_id=session_id,
-            prefill_kv_indices=prefill_kv_indices,
-            dst_kv_ptrs=dst_kv_ptrs,
-            dst_kv_indices=dst_kv_indices,
-            executor=executor,
-            dst_layer_ids=dst_layer_ids,
-            dst_device_kv_indices=dst_device_kv_indices,
-            dst_kv_item_len=dst_kv_item_len,
-            dst_attn_tp_size=dst_attn_tp_size,
-        )
+        moved = self._call("send_kvcache", session_id=session_id, executor=executor, **request.arguments())
         if isinstance(moved, bool) or not isinstance(moved, (int, np.integer)) or moved < 0:
             raise BackendError(
                 f"backend {self.name!r}: send_kvcache returned {moved!r}; the spec requires the bytes moved "

@@ -46,7 +46,7 @@ with no Python loop per layer or per page.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -257,6 +257,10 @@ class TransferRequest:
     dst_kv_item_len: int | None = None
     dst_attn_tp_size: int | None = None
 
+    def arguments(self) -> dict[str, Any]:
+        """The fields by name, the very objects (for a ``send_kvcache`` call by keyword)."""
+        return {name: getattr(self, name) for name in _REQUEST_FIELDS}
+
     def features(self) -> frozenset[str]:
         """The features this request uses: a non-None argument for a parameter bound to a feature."""
         return frozenset(f for p, f in PARAMETER_FEATURES.items() if getattr(self, p, None) is not None)
@@ -281,3 +285,6 @@ class TransferRequest:
             self.dst_attn_tp_size,
             coalesce=coalesce,
         )
+
+
+_REQUEST_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(TransferRequest))
