@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 import plugin_wheels  # next to this file: pytest puts this directory on sys.path for its conftest
+from plugin_wheels import RunPy
 
 
 @pytest.fixture(scope="session")
 def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory holding the installed test backend wheels (see plugin_wheels.VARIANTS)."""
     return plugin_wheels.build_and_install(tmp_path_factory.mktemp("kvtest-plugins"))
-
-
-RunPy = Callable[..., subprocess.CompletedProcess[str]]
 
 
 @pytest.fixture(scope="session")
@@ -35,10 +30,3 @@ def run_with_plugins(plugin_site: Path) -> RunPy:
         return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=full_env, timeout=120)
 
     return run
-
-
-def check_json(run: RunPy, *extra: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
-    """``kvwire check --json`` through the plugins, as {name: entry}."""
-    proc = run("-m", "kvwire", "check", "--json", *extra, env=env)
-    assert proc.stdout, proc.stderr
-    return proc.returncode, {entry["name"]: entry for entry in json.loads(proc.stdout)}

@@ -8,10 +8,13 @@ discovery goes through real ``importlib.metadata`` entry points.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 HEADER = """\
 from __future__ import annotations
@@ -248,3 +251,14 @@ def build_and_install(workdir: Path) -> Path:
     assert len(built) == len(VARIANTS), built
     subprocess.run([*pip, "install", "--no-deps", "--target", str(site), *built], check=True)
     return site
+
+
+#: ``run(*python_args, env=None)``: Python in a fresh process that sees the installed test wheels.
+RunPy = Callable[..., subprocess.CompletedProcess[str]]
+
+
+def check_json(run: RunPy, *extra: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    """``kvwire check --json`` through the plugins, as {name: entry}."""
+    proc = run("-m", "kvwire", "check", "--json", *extra, env=env)
+    assert proc.stdout, proc.stderr
+    return proc.returncode, {entry["name"]: entry for entry in json.loads(proc.stdout)}

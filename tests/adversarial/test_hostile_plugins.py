@@ -19,8 +19,7 @@ import pytest
 
 import kvwire
 
-from conftest import RunPy, check_json
-from plugin_wheels import VARIANTS
+from plugin_wheels import VARIANTS, RunPy, check_json
 
 pytestmark = pytest.mark.slow
 

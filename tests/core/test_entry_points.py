@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from conftest import RunPy, check_json
-from plugin_wheels import FATAL_IN_PROCESS, NOISY, VARIANTS
+from plugin_wheels import FATAL_IN_PROCESS, NOISY, VARIANTS, RunPy, check_json
 
 pytestmark = pytest.mark.slow
 
