@@ -51,7 +51,7 @@ GOOD_SEND = """\
 
 def backend_source(
     *,
-    spec_version: str | None = '"1.4"',
+    spec_version: str | None = '"1.5"',
     capabilities: str = 'frozenset({"layer_ids", "device_kv_indices", "mha", "mla", "host_memory"})',
     init: str = "    def __init__(self, config: BackendConfig) -> None:\n        self.config = config\n",
     send: str = GOOD_SEND,

@@ -16,7 +16,7 @@ from kvwire import BackendConfig, KVLayout
 class Recorder:
     """Records every hook call with every argument it received."""
 
-    spec_version = "1.4"
+    spec_version = "1.5"
     capabilities = frozenset({"layer_ids", "device_kv_indices", "mha", "mla", "host_memory"})
 
     def __init__(self, config: BackendConfig) -> None:

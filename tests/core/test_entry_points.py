@@ -47,7 +47,7 @@ def test_each_rule_is_reported_by_check(full_check: tuple[int, dict[str, Any]]) 
         for finding in entry["findings"]:
             assert set(finding) >= {"hook", "rule", "message"}
     assert entries["ok"]["status"] == "ok"
-    assert entries["ok"]["spec_version"] == "1.4"
+    assert entries["ok"]["spec_version"] == "1.5"
     assert entries["adapted"]["status"] == "adapted"
     assert entries["adapted"]["spec_version"] == "1.1"
     assert entries["adapted"]["capabilities"] == ["layer_ids", "mha"]
@@ -94,7 +94,7 @@ def test_ascend_case_message_names_everything(run_with_plugins: RunPy, full_chec
             "`send_kv_cache` is marked @kvwire.hookimpl but the spec has no such hook; did you mean `send_kvcache`?",
         ),
         ("missing_hook", "required hook `close` is not implemented"),
-        ("spec_version", "spec_version 2.0 is of major version 2; this kvwire implements 1.4"),
+        ("spec_version", "spec_version 2.0 is of major version 2; this kvwire implements 1.5"),
         ("constructor", "the constructor must take exactly one parameter, `config: kvwire.BackendConfig`"),
     ],
 )

@@ -22,7 +22,7 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> list[str]:
 
 def test_current_spec_prints_every_hook_capability_and_release(capsys: pytest.CaptureFixture[str]) -> None:
     lines = _run(capsys)
-    assert lines[0] == f"kvwire backend spec {SPEC_VERSION} (current; known: 1.0, 1.1, 1.2, 1.3, 1.4)"
+    assert lines[0] == f"kvwire backend spec {SPEC_VERSION} (current; known: 1.0, 1.1, 1.2, 1.3, 1.4, 1.5)"
     assert "  register_kv_buffers(layout: KVLayout) -> None" in lines
     assert "  remove_peer(session_id: str) -> None  # since 1.4" in lines
     start = lines.index("  send_kvcache(")
@@ -44,17 +44,24 @@ def test_current_spec_prints_every_hook_capability_and_release(capsys: pytest.Ca
     history = lines[lines.index("History:") + 1 :]
     assert history[0] == "  1.0  register_kv_buffers(layout)"
     assert "  1.2  send_kvcache: dst_device_kv_indices (HiSparse split host/device destinations)" in history
-    assert history[-1] == (
+    assert (
         "  1.4  hook remove_peer: Forget a peer: its layout and the engine's per-peer resources (spec 1.4); "
         "unknown ids are a no-op."
-    )
+    ) in history
+    assert history[-3:] == [
+        "  1.5  optional hook submit_kvcache (capability submit): native non-blocking sends; "
+        "without it the core runs send_kvcache on a worker pool",
+        "       optional hook send_notification (capability notifications): short messages delivered after the data",
+        "       optional hook poll_notifications (capability notifications): the messages that arrived at this endpoint",
+    ]
+    assert "  poll_notifications() -> list[Notification]  # since 1.5, optional: with capability notifications" in lines
 
 
 def test_an_older_version_leaves_out_what_came_later(capsys: pytest.CaptureFixture[str]) -> None:
     lines = _run(capsys, "--version", "1.1")
-    assert lines[0] == "kvwire backend spec 1.1 (current is 1.4; known: 1.0, 1.1, 1.2, 1.3, 1.4)"
+    assert lines[0] == "kvwire backend spec 1.1 (current is 1.5; known: 1.0, 1.1, 1.2, 1.3, 1.4, 1.5)"
     text = "\n".join(lines)
-    assert "remove_peer" not in text and "dst_device_kv_indices" not in text and "device_kv_indices" not in text
+    assert "remove_peer" not in text and "submit" not in text and "dst_device_kv_indices" not in text and "device_kv_indices" not in text
     assert "      dst_layer_ids: Sequence[int] | None = None,  # since 1.1, capability layer_ids" in lines
     assert lines[-1] == "  1.1  send_kvcache: dst_layer_ids (pipeline-parallel layer mapping)"
 
@@ -73,6 +80,13 @@ def test_diff_names_each_change(capsys: pytest.CaptureFixture[str]) -> None:
         "  + hook remove_peer(session_id: str) -> None",
         "A backend declaring 1.3 loads adapted: a feature 1.4 added is refused before anything is sent, "
         "a guard is checked by the core, a hook it lacks is not called.",
+    ]
+    assert _run(capsys, "--diff", "1.4", "1.5")[1:4] == [
+        "  + hook submit_kvcache(session_id: str, request: TransferRequest, notification: bytes | None = None) "
+        "-> Future[int]  (optional: with capability submit)",
+        "  + hook send_notification(session_id: str, message: bytes) -> None  "
+        "(optional: with capability notifications)",
+        "  + hook poll_notifications() -> list[Notification]  (optional: with capability notifications)",
     ]
     assert _run(capsys, "--diff", "1.2", "1.1")[1].startswith("  - send_kvcache: dst_device_kv_indices: ")
     assert _run(capsys, "--diff", "1.2", "1.2") == ["spec 1.2 -> 1.2", "  no changes"]
@@ -106,7 +120,7 @@ def test_unknown_version_is_one_line_error(argv: tuple[str, ...]) -> None:
     bad = argv[-1]
     with pytest.raises(kvwire.ConfigError) as info:
         spec_view.run(parser.parse_args(argv))
-    assert str(info.value) == f"unknown spec version {bad!r}; known: 1.0, 1.1, 1.2, 1.3, 1.4"
+    assert str(info.value) == f"unknown spec version {bad!r}; known: 1.0, 1.1, 1.2, 1.3, 1.4, 1.5"
 
 
 def test_version_and_diff_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:

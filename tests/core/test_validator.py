@@ -74,7 +74,7 @@ def test_capability_findings() -> None:
     messages = [f.message for f in kvwire.validate_backend(Claims, ORIGIN).findings]
     assert messages == [
         "unknown feature 'layer_id'; did you mean 'layer_ids'?",
-        "declares 'device_kv_indices', but spec 1.1 has no parameter for it",
+        "declares 'device_kv_indices', but spec 1.1 has no parameter or hook for it",
     ]
 
 

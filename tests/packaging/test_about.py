@@ -49,7 +49,7 @@ def test_version_text_is_what_kvwire_version_prints(capsys: pytest.CaptureFixtur
     assert info.value.code == 0
     lines = capsys.readouterr().out.splitlines()
     v = metadata.version("kvwire")
-    assert lines[0] == f"kvwire {v} (backend spec {kvwire.SPEC_VERSION}; loads backends of spec 1.0 to 1.4)"
+    assert lines[0] == f"kvwire {v} (backend spec {kvwire.SPEC_VERSION}; loads backends of spec 1.0 to 1.5)"
     assert re.fullmatch(rf"  local\s+kvwire {re.escape(v)}", next(li for li in lines if li.startswith("  local")))
 
 

@@ -42,5 +42,5 @@ def test_prefill_refuses_the_in_process_backend() -> None:
     proc = _run(str(EXAMPLES / "prefill_decode" / "prefill.py"), "local")
     assert proc.returncode == 1
     assert proc.stderr.startswith(
-        "prefill: backend 'local' (kvwire, spec 1.4) does not support required feature(s) ['interprocess']"
+        "prefill: backend 'local' (kvwire, spec 1.5) does not support required feature(s) ['interprocess']"
     )

@@ -29,8 +29,10 @@ from kvwire.errors import (
     UnsupportedFeatureError,
 )
 from kvwire.findings import Finding
+from kvwire.futures import TransferFuture
 from kvwire.layout import HeadLayout, KVBuffer, KVLayout, LayoutError
 from kvwire.markers import ENTRY_POINT_GROUP, hookimpl, hookspec
+from kvwire.notifications import MAX_NOTIFICATION_BYTES, Notification
 from kvwire.peer import PeerDescription
 from kvwire.planning import TransferPlan, TransferRequest, plan_transfer
 from kvwire.protocol import BackendProtocol
@@ -44,6 +46,7 @@ __version__ = core_version()  # from the installed metadata: pyproject.toml is t
 __all__ = [
     "ENTRY_POINT_GROUP",
     "FEATURES",
+    "MAX_NOTIFICATION_BYTES",
     "SPEC_HISTORY",
     "SPEC_VERSION",
     "BackendConfig",
@@ -65,6 +68,7 @@ __all__ = [
     "KVLayout",
     "KvwireError",
     "LayoutError",
+    "Notification",
     "PeerDescription",
     "PeerUnreachableError",
     "RawWriter",
@@ -72,6 +76,7 @@ __all__ = [
     "Registry",
     "SpecVersion",
     "TransferError",
+    "TransferFuture",
     "TransferPlan",
     "TransferRequest",
     "TransferTimeoutError",

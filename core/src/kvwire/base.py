@@ -1,8 +1,10 @@
 """``TransportBackend``: the spec hooks implemented once, over a transport's engine-facing operations.
 
 A backend built on it supplies a :class:`Transport` (register memory, write one
-plan, its endpoint, close) and declares its own ``spec_version`` and
-``capabilities``; the base does the rest the same way for every backend: the
+plan, its endpoint, close; optionally submit a plan without blocking and carry
+notifications) and declares its own ``spec_version`` and ``capabilities``
+(``submit`` and ``notifications`` when its transport offers them); the base
+does the rest the same way for every backend: the
 local and peer layouts, the refusal of arguments for features the backend does
 not declare, planning (with every bounds check) through the core planner, and
 all-or-nothing registration.
@@ -18,7 +20,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from contextlib import suppress
 from typing import Protocol, runtime_checkable
 
@@ -29,8 +31,10 @@ from kvwire import telemetry
 from kvwire.capabilities import FEATURE_DISTRIBUTIONS
 from kvwire.config import BackendConfig
 from kvwire.errors import InvalidTransferError, KvwireError, UnsupportedFeatureError
+from kvwire.futures import TransferFuture, follow
 from kvwire.layout import KVLayout
 from kvwire.markers import hookimpl
+from kvwire.notifications import Notification
 from kvwire.planning import TransferPlan, TransferRequest
 
 __all__ = ["RawWriter", "Transport", "TransportBackend"]
@@ -72,6 +76,25 @@ class Transport(ABC):
 
     def forget_peer(self, session_id: str) -> None:  # noqa: B027 - optional, no-op by default
         """Release what the transport holds for a peer that is gone (optional)."""
+
+    def submit(self, session_id: str, plan: TransferPlan, notification: bytes | None) -> Future[None]:
+        """Start writing a non-empty ``plan`` and return at once (optional; the backend declares ``submit``).
+
+        The future completes when every byte is in the peer's memory (then
+        ``notification``, if given, is delivered after them) or fails with a
+        :class:`kvwire.TransferError` within the config's ``timeout_s``;
+        cancelling it succeeds only before the write has started.
+        """
+        raise UnsupportedFeatureError(f"{type(self).__name__} offers no non-blocking submit")
+
+    def notify(self, session_id: str, message: bytes) -> None:
+        """Deliver ``message`` to the peer after the bytes of every write to it that has completed
+        (optional; the backend declares ``notifications``)."""
+        raise UnsupportedFeatureError(f"{type(self).__name__} carries no notifications")
+
+    def poll_notifications(self) -> list[Notification]:
+        """The notifications that arrived since the last call, each once, in arrival order (optional)."""
+        raise UnsupportedFeatureError(f"{type(self).__name__} carries no notifications")
 
     @abstractmethod
     def close(self) -> None:
@@ -178,6 +201,38 @@ class TransportBackend(ABC):
         return plan.nbytes
 
     @hookimpl
+    def submit_kvcache(
+        self, session_id: str, request: TransferRequest, notification: bytes | None = None
+    ) -> Future[int]:
+        """Plan now (input errors raise here), then hand the plan to the transport's ``submit``."""
+        needed = {"submit"} | ({"notifications"} if notification is not None else set())
+        self._refuse_unsupported(request, frozenset(needed))
+        local, peer = self._layouts(session_id)
+        plan = request.plan(local, peer)
+        future = TransferFuture(session_id, plan.nbytes, len(plan))
+        if len(plan):
+            return follow(future, self.transport.submit(session_id, plan, notification), lambda _: plan.nbytes)
+        if future.set_running_or_notify_cancel():
+            try:
+                if notification is not None:
+                    self.transport.notify(session_id, notification)
+                future.set_result(0)
+            except BaseException as exc:
+                future.set_exception(exc)
+        return future
+
+    @hookimpl
+    def send_notification(self, session_id: str, message: bytes) -> None:
+        self._refuse_unsupported(None, frozenset({"notifications"}))
+        self._layouts(session_id)  # a known peer
+        self.transport.notify(session_id, message)
+
+    @hookimpl
+    def poll_notifications(self) -> list[Notification]:
+        self._refuse_unsupported(None, frozenset({"notifications"}))
+        return self.transport.poll_notifications()
+
+    @hookimpl
     def close(self) -> None:
         try:
             self.transport.close()
@@ -196,16 +251,18 @@ class TransportBackend(ABC):
 
     # -- helpers --------------------------------------------------------------
 
-    def _refuse_unsupported(self, request: TransferRequest) -> None:
+    def _refuse_unsupported(self, request: TransferRequest | None, needed: frozenset[str] = frozenset()) -> None:
         """Direct callers (not through a Connection) get the same refusal the Connection gives."""
-        lacking = sorted(request.features() - type(self).capabilities_declared())
+        used = needed | (request.features() if request is not None else frozenset())
+        lacking = sorted(used - type(self).capabilities_declared())
         if lacking:
-            params = ", ".join(request.parameters_for(lacking))
+            params = TransferRequest.parameters_for(lacking)
+            why = f" (passed {', '.join(params)})" if params else ""
             providers = sorted({FEATURE_DISTRIBUTIONS[f] for f in lacking if f in FEATURE_DISTRIBUTIONS})
             hint = f". Use a backend that supports it (pip install {' '.join(providers)})" if providers else ""
             raise UnsupportedFeatureError(
-                f"backend {type(self).__name__} does not support {', '.join(map(repr, lacking))} "
-                f"(passed {params}); nothing was sent{hint}"
+                f"backend {type(self).__name__} does not support {', '.join(map(repr, lacking))}{why}; "
+                f"nothing was sent{hint}"
             )
 
     @classmethod

@@ -1,8 +1,9 @@
 """Feature names a backend may declare in ``capabilities``.
 
-A feature is either tied to a ``send_kvcache`` parameter (the backend honours
-that argument) or to a layout property (attention kind, memory kind). Asking
-for a feature a backend lacks is an error, never a silent no-op.
+A feature is tied to a ``send_kvcache`` parameter (the backend honours that
+argument), to an optional hook (the backend implements it), or to a layout or
+transport property (attention kind, memory kind). Asking for a feature a
+backend lacks is an error, never a silent no-op.
 """
 
 from __future__ import annotations
@@ -26,6 +27,14 @@ _OTHER_FEATURES: Mapping[str, str] = {
     "raw_write": "offers Connection.raw_write: the bare engine call on a plan (benchmarks compare against it)",
 }
 
+def _hook_features() -> dict[str, str]:
+    hooks: dict[str, list[str]] = {}
+    for release in SPEC_HISTORY:
+        for h in release.optional_hooks:
+            hooks.setdefault(h.feature, []).append(f"{h.name} ({h.purpose})")
+    return {feature: "implements " + "; ".join(names) for feature, names in hooks.items()}
+
+
 #: Every known feature name, with what it promises (parameter features come from the spec history).
 FEATURES: Mapping[str, str] = MappingProxyType(
     {
@@ -35,6 +44,7 @@ FEATURES: Mapping[str, str] = MappingProxyType(
             for p in release.added
             if p.feature is not None
         },
+        **_hook_features(),
         **_OTHER_FEATURES,
     }
 )

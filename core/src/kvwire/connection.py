@@ -4,6 +4,10 @@ Every call goes through ``pm.hook.<name>(...)`` with every argument by keyword.
 Before ``send_kvcache`` reaches the backend, non-None arguments for features it
 lacks (or that its older spec version lacks: the adapted mode) are refused
 with :class:`UnsupportedFeatureError`, so nothing is silently dropped.
+
+``submit_kvcache`` is the non-blocking send: the backend's own when it declares
+``submit``, else the core's (:mod:`kvwire.submission`); notifications need a
+backend that declares ``notifications``.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import difflib
 import inspect
 import weakref
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
@@ -24,10 +28,13 @@ from numpy.typing import NDArray
 from kvwire.capabilities import MEMORY_FEATURES
 from kvwire.config import BackendConfig
 from kvwire.errors import BackendError, ConfigError, InvalidTransferError, KvwireError, UnsupportedFeatureError
+from kvwire.futures import TransferFuture, follow
 from kvwire.layout import KVLayout
 from kvwire.markers import IMPL_ATTR, PROJECT_NAME
+from kvwire.notifications import Notification, check_message
 from kvwire.planning import TransferPlan, TransferRequest, check_peer_shape, needs_head_slicing
 from kvwire.spec import CURRENT, BackendSpec, spec_hooks
+from kvwire.submission import Submissions
 
 __all__ = ["Connection"]
 
@@ -60,6 +67,18 @@ def _check_middleware(obj: object, what: str) -> None:
             )
 
 
+def _as_backend_error(exc: BaseException, name: str, where: str) -> BaseException:
+    """``exc`` if it is a kvwire error (or not an Exception/SystemExit), else a BackendError chained to it."""
+    if isinstance(exc, KvwireError) or not isinstance(exc, (Exception, SystemExit)):
+        return exc
+    wrapped = BackendError(
+        f"backend {name!r} raised {type(exc).__name__} in {where}: {exc} (backends must raise kvwire errors; "
+        "the original is chained)"
+    )
+    wrapped.__cause__ = exc
+    return wrapped
+
+
 @contextmanager
 def _backend_errors(name: str, where: str) -> Iterator[None]:
     """Let kvwire errors through; wrap anything else a backend raises (SystemExit included) in BackendError."""
@@ -68,10 +87,7 @@ def _backend_errors(name: str, where: str) -> Iterator[None]:
     except KvwireError:
         raise
     except (Exception, SystemExit) as exc:
-        raise BackendError(
-            f"backend {name!r} raised {type(exc).__name__} in {where}: {exc} (backends must raise kvwire errors; "
-            "the original is chained)"
-        ) from exc
+        raise _as_backend_error(exc, name, where) from exc
 
 
 class Connection:
@@ -103,6 +119,7 @@ class Connection:
             self.backend: Any = cls(config)
         self._local: KVLayout | None = None
         self._peers: dict[str, KVLayout] = {}
+        self._submissions = Submissions(name)
         self._pm.register(self.backend, name=name)
         for i, extra in enumerate(middleware):
             self._pm.register(extra, name=f"{name}.middleware[{i}]")
@@ -200,6 +217,136 @@ class Connection:
         layout here, for every backend (an adapted one never receives them).
         """
         self._check_open()
+        request = self._request(
+            session_id,
+            prefill_kv_indices,
+            dst_kv_ptrs,
+            dst_kv_indices,
+            dst_layer_ids,
+            dst_device_kv_indices,
+            dst_kv_item_len,
+            dst_attn_tp_size,
+        )
+        return self._send(session_id, request, executor)
+
+    def submit_kvcache(
+        self,
+        session_id: str,
+        prefill_kv_indices: NDArray[np.int32],
+        dst_kv_ptrs: Sequence[int],
+        dst_kv_indices: NDArray[np.int32],
+        executor: Executor | None = None,
+        dst_layer_ids: Sequence[int] | None = None,
+        dst_device_kv_indices: NDArray[np.int32] | None = None,
+        dst_kv_item_len: int | None = None,
+        dst_attn_tp_size: int | None = None,
+        *,
+        notification: bytes | None = None,
+    ) -> TransferFuture:
+        """Start a send and return at once; the future's result is the bytes moved.
+
+        Takes :meth:`send_kvcache`'s arguments. Invalid input raises here, before
+        anything is queued (the request is planned against the recorded layouts).
+        A backend that declares ``submit`` runs the transfer itself; for any other
+        the blocking send runs on ``executor`` (given None itself then, so it
+        cannot wait on its own pool) or on the connection's pool of
+        :data:`~kvwire.submission.DEFAULT_SUBMIT_WORKERS` threads. The future
+        fails with the typed kvwire error (a :class:`kvwire.TransferTimeoutError`
+        within ``timeout_s`` of the transfer starting). ``cancel()`` succeeds only
+        before the transfer starts. ``notification`` (bytes, at most
+        :data:`kvwire.MAX_NOTIFICATION_BYTES`; feature ``notifications``) reaches
+        the peer after this transfer's bytes, and only if it succeeded.
+        """
+        self._check_open()
+        request = self._request(
+            session_id,
+            prefill_kv_indices,
+            dst_kv_ptrs,
+            dst_kv_indices,
+            dst_layer_ids,
+            dst_device_kv_indices,
+            dst_kv_item_len,
+            dst_attn_tp_size,
+        )
+        if notification is not None:
+            notification = check_message(notification)
+            self._require(frozenset({"notifications"}), "notification")
+        if "submit" in self.capabilities:
+            returned = self._call("submit_kvcache", session_id=session_id, request=request, notification=notification)
+            if not isinstance(returned, Future):
+                raise BackendError(
+                    f"backend {self.name!r}: submit_kvcache returned {type(returned).__name__}, expected a "
+                    "concurrent.futures.Future of the bytes moved"
+                )
+            planned = returned if isinstance(returned, TransferFuture) else None
+            future = TransferFuture(
+                session_id,
+                planned.nbytes if planned else None,
+                planned.descriptors if planned else None,
+            )
+            self._submissions.track(future)
+            return follow(
+                future,
+                returned,
+                lambda moved: self._moved(moved, "submit_kvcache"),
+                lambda exc: _as_backend_error(exc, self.name, "submit_kvcache"),
+            )
+        local, peer = self._local, self._peers.get(session_id)
+        if local is None:
+            raise InvalidTransferError("register_kv_buffers() must be called before submit_kvcache()")
+        if peer is None:
+            raise InvalidTransferError(f"session_id {session_id[:80]!r} is unknown: call add_peer() first")
+        plan = request.plan(local, peer)  # every input error now, before anything is queued
+        future = TransferFuture(session_id, plan.nbytes, len(plan))
+
+        def job() -> int:
+            moved = self._send(session_id, request, None)
+            if notification is not None:
+                self._call("send_notification", session_id=session_id, message=notification)
+            return moved
+
+        return self._submissions.run(future, job, executor)
+
+    def send_notification(self, session_id: str, message: bytes) -> None:
+        """Send ``message`` to the peer, delivered after the bytes of every send to it that has completed.
+
+        Needs a backend that declares ``notifications``. ``message`` is bytes, at
+        most :data:`kvwire.MAX_NOTIFICATION_BYTES`. Notifications from one
+        endpoint to one peer arrive in the order they were sent.
+        """
+        self._check_open()
+        if not isinstance(session_id, str) or not session_id:
+            raise InvalidTransferError(f"session_id must be a non-empty str, got {type(session_id).__name__}")
+        message = check_message(message, "message")
+        self._require(frozenset({"notifications"}), "send_notification")
+        if session_id not in self._peers:
+            raise InvalidTransferError(f"session_id {session_id[:80]!r} is unknown: call add_peer() first")
+        self._call("send_notification", session_id=session_id, message=message)
+
+    def poll_notifications(self) -> list[Notification]:
+        """The notifications that arrived at this endpoint since the last call, each once, in arrival order."""
+        self._check_open()
+        self._require(frozenset({"notifications"}), "poll_notifications")
+        got = self._call("poll_notifications")
+        if not isinstance(got, list) or not all(isinstance(n, Notification) for n in got):
+            raise BackendError(
+                f"backend {self.name!r}: poll_notifications returned {got!r:.120}, expected a list of "
+                "kvwire.Notification"
+            )
+        return got
+
+    def _request(
+        self,
+        session_id: str,
+        prefill_kv_indices: NDArray[np.int32],
+        dst_kv_ptrs: Sequence[int],
+        dst_kv_indices: NDArray[np.int32],
+        dst_layer_ids: Sequence[int] | None,
+        dst_device_kv_indices: NDArray[np.int32] | None,
+        dst_kv_item_len: int | None,
+        dst_attn_tp_size: int | None,
+    ) -> TransferRequest:
+        """The checked request: argument types, features the backend lacks, the caller's view of the peer."""
         if not isinstance(session_id, str) or not session_id:
             raise InvalidTransferError(f"session_id must be a non-empty str, got {type(session_id).__name__}")
         request = TransferRequest(
@@ -217,10 +364,16 @@ class Connection:
         peer = self._peers.get(session_id)
         if (dst_kv_item_len is not None or dst_attn_tp_size is not None) and self._local and peer:
             check_peer_shape(self._local, peer, dst_layer_ids, dst_kv_item_len, dst_attn_tp_size)
+        return request
+
+    def _send(self, session_id: str, request: TransferRequest, executor: Executor | None) -> int:
         moved = self._call("send_kvcache", session_id=session_id, executor=executor, **request.arguments())
+        return self._moved(moved, "send_kvcache")
+
+    def _moved(self, moved: object, hook: str) -> int:
         if isinstance(moved, bool) or not isinstance(moved, (int, np.integer)) or moved < 0:
             raise BackendError(
-                f"backend {self.name!r}: send_kvcache returned {moved!r}; the spec requires the bytes moved "
+                f"backend {self.name!r}: {hook} returned {moved!r}; the spec requires the bytes moved "
                 "(an int >= 0) and failures raised as kvwire.TransferError"
             )
         return int(moved)
@@ -244,8 +397,17 @@ class Connection:
             self.backend.raw_write(session_id, plan)
 
     def close(self) -> None:
-        """Close the backend (idempotent)."""
+        """Close the backend (idempotent).
+
+        Transfers submitted and not yet started are cancelled; running ones get
+        up to ``timeout_s`` (plus a second) to end, each by its own deadline;
+        then the backend is closed, and a backend must fail whatever of its own
+        is still running. Nothing submitted is left pending.
+        """
+        if self._finalizer.alive:
+            self._submissions.drain(self.config.timeout_s + 1.0)
         self._finalizer()
+        self._submissions.shutdown()
 
     def __enter__(self) -> Connection:
         return self

@@ -22,8 +22,11 @@ names of positional parameters when it matches a protocol, and pluggy passes
 hook arguments by name). The implementation signature after the overloads is
 the spec's; a test keeps it equal to :class:`kvwire.spec.BackendSpec`.
 
-The protocol is the current spec only: a backend declaring an older version
-loads adapted on purpose and is not meant to satisfy it.
+The protocol is the current spec's required hooks only: a backend declaring
+an older version loads adapted on purpose and is not meant to satisfy it, and
+the optional hooks of spec 1.5 (``submit_kvcache``, ``send_notification``,
+``poll_notifications``) cannot be expressed as optional members of a
+``Protocol``; the load-time validator checks them when a backend has them.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ __all__ = ["BackendProtocol"]
 
 
 class BackendProtocol(Protocol):
-    """The hooks of spec 1.4: names, order, annotations and the presence of defaults."""
+    """The required hooks of spec 1.5: names, order, annotations and the presence of defaults."""
 
     @overload
     def register_kv_buffers(self, layout: KVLayout) -> None: ...

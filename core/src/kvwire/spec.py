@@ -2,33 +2,41 @@
 
 The hookspecs below are the contract. Their history is data
 (:data:`SPEC_HISTORY`): each minor version may add optional ``send_kvcache``
-parameters (default None = feature unused), and the signature of an older
-version is the current one minus what came later. The validator compares a
-backend with the version it declares, so an old backend keeps working in an
-adapted mode instead of crashing.
+parameters (default None = feature unused), required hooks, or optional hooks
+(implemented by a backend that declares their feature), and the signature of
+an older version is the current one minus what came later. The validator
+compares a backend with the version it declares, so an old backend keeps
+working in an adapted mode instead of crashing.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from functools import cache, total_ordering
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.layout import KVLayout
 from kvwire.markers import hookspec
+from kvwire.notifications import Notification
+
+if TYPE_CHECKING:
+    from kvwire.planning import TransferRequest
 
 __all__ = [
     "PARAMETER_FEATURES",
     "SPEC_HISTORY",
     "SPEC_VERSION",
+    "HOOK_FEATURES",
     "AddedParameter",
     "BackendSpec",
+    "OptionalHook",
     "SpecHook",
     "SpecParam",
     "SpecRelease",
@@ -36,7 +44,7 @@ __all__ = [
     "spec_hooks",
 ]
 
-SPEC_VERSION = "1.4"
+SPEC_VERSION = "1.5"
 
 
 @total_ordering
@@ -83,12 +91,26 @@ class AddedParameter:
 
 
 @dataclass(frozen=True)
+class OptionalHook:
+    """A hook added by a minor version that a backend implements only if it declares ``feature``.
+
+    A backend without the feature may leave it out (the core then provides the
+    behaviour, or refuses the call); one that has it is validated like any hook.
+    """
+
+    name: str
+    feature: str
+    purpose: str
+
+
+@dataclass(frozen=True)
 class SpecRelease:
-    """One spec version: the optional parameters and the hooks it added."""
+    """One spec version: the optional parameters, the required hooks and the optional hooks it added."""
 
     version: SpecVersion
     added: tuple[AddedParameter, ...] = ()
     added_hooks: tuple[str, ...] = ()
+    optional_hooks: tuple[OptionalHook, ...] = ()
 
 
 SPEC_HISTORY: tuple[SpecRelease, ...] = (
@@ -126,11 +148,29 @@ SPEC_HISTORY: tuple[SpecRelease, ...] = (
         ),
     ),
     SpecRelease(SpecVersion(1, 4), added_hooks=("remove_peer",)),
+    SpecRelease(
+        SpecVersion(1, 5),
+        optional_hooks=(
+            OptionalHook(
+                "submit_kvcache",
+                "submit",
+                "native non-blocking sends; without it the core runs send_kvcache on a worker pool",
+            ),
+            OptionalHook("send_notification", "notifications", "short messages delivered after the data"),
+            OptionalHook("poll_notifications", "notifications", "the messages that arrived at this endpoint"),
+        ),
+    ),
 )
 
 #: ``send_kvcache`` parameter -> the feature that makes a non-None value meaningful (from the history).
 PARAMETER_FEATURES: Mapping[str, str] = MappingProxyType(
     {p.name: p.feature for release in SPEC_HISTORY for p in release.added if p.feature is not None}
+)
+
+
+#: Optional hook -> the feature that obliges a backend to implement it (from the history).
+HOOK_FEATURES: Mapping[str, str] = MappingProxyType(
+    {h.name: h.feature for release in SPEC_HISTORY for h in release.optional_hooks}
 )
 
 
@@ -181,6 +221,30 @@ class BackendSpec:
         raise NotImplementedError
 
     @hookspec(firstresult=True)
+    def submit_kvcache(
+        self, session_id: str, request: TransferRequest, notification: bytes | None = None
+    ) -> Future[int]:
+        """Start the send of a checked ``request`` and return at once (optional, feature ``submit``; spec 1.5).
+
+        Input errors are raised here, synchronously, before anything is queued;
+        the future then holds the bytes moved or the :class:`kvwire.TransferError`.
+        ``notification`` (at most :data:`kvwire.MAX_NOTIFICATION_BYTES`) reaches the
+        peer after this transfer's bytes, like :meth:`send_notification`.
+        """
+        raise NotImplementedError
+
+    @hookspec(firstresult=True)
+    def send_notification(self, session_id: str, message: bytes) -> None:
+        """Deliver ``message`` to the peer after the bytes of every send to it that has completed
+        (optional, feature ``notifications``; spec 1.5)."""
+
+    @hookspec(firstresult=True)
+    def poll_notifications(self) -> list[Notification]:
+        """The notifications that arrived at this endpoint since the last call, each once, in arrival order
+        (optional, feature ``notifications``; spec 1.5)."""
+        raise NotImplementedError
+
+    @hookspec(firstresult=True)
     def close(self) -> None:
         """Release engine resources and unregister memory; idempotent."""
 
@@ -226,11 +290,13 @@ def _since(hook: str, param: str) -> SpecVersion:
 def _all_hooks() -> Mapping[str, SpecHook]:
     import typing
 
+    from kvwire.planning import TransferRequest  # planning imports this module
+
     hooks: dict[str, SpecHook] = {}
     for name, func in vars(BackendSpec).items():
         if not callable(func) or name.startswith("_"):
             continue
-        hints = typing.get_type_hints(func)
+        hints = typing.get_type_hints(func, {**globals(), "TransferRequest": TransferRequest})
         raw = func.__annotations__
         params = tuple(
             SpecParam(p.name, hints[p.name], str(raw[p.name]), p.default, _since(name, p.name))
@@ -243,7 +309,7 @@ def _all_hooks() -> Mapping[str, SpecHook]:
 def hook_since(name: str) -> SpecVersion:
     """The spec version that added hook ``name``."""
     for release in SPEC_HISTORY:
-        if name in release.added_hooks:
+        if name in release.added_hooks or any(h.name == name for h in release.optional_hooks):
             return release.version
     return SPEC_HISTORY[0].version
 
@@ -268,9 +334,13 @@ def known_versions() -> tuple[SpecVersion, ...]:
 
 
 def features_at(version: SpecVersion) -> frozenset[str]:
-    """The parameter-bound features present in the spec at ``version``."""
-    present = {p.name for p in spec_hooks(version)["send_kvcache"].params}
-    return frozenset(feature for param, feature in PARAMETER_FEATURES.items() if param in present)
+    """The parameter-bound and hook-bound features present in the spec at ``version``."""
+    hooks = spec_hooks(version)
+    present = {p.name for p in hooks["send_kvcache"].params}
+    return frozenset(
+        [feature for param, feature in PARAMETER_FEATURES.items() if param in present]
+        + [feature for hook, feature in HOOK_FEATURES.items() if hook in hooks]
+    )
 
 
 CURRENT = SpecVersion.parse(SPEC_VERSION)

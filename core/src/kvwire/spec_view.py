@@ -17,6 +17,7 @@ from kvwire.capabilities import FEATURES
 from kvwire.errors import ConfigError
 from kvwire.spec import (
     CURRENT,
+    HOOK_FEATURES,
     PARAMETER_FEATURES,
     SPEC_HISTORY,
     AddedParameter,
@@ -33,7 +34,7 @@ from kvwire.spec import (
 __all__ = ["add_arguments", "diff_data", "render_diff", "render_spec", "run", "spec_data"]
 
 _ONE_LINE = 100  # a signature longer than this prints one parameter per line
-_PARAMETER_FEATURES = frozenset(PARAMETER_FEATURES.values())
+_BOUND_FEATURES = frozenset(PARAMETER_FEATURES.values()) | frozenset(HOOK_FEATURES.values())
 _ADDED: dict[tuple[str, str], AddedParameter] = {(p.hook, p.name): p for r in SPEC_HISTORY for p in r.added}
 
 
@@ -71,12 +72,14 @@ def _need(added: AddedParameter | None) -> str:
 
 def _capabilities(version: SpecVersion) -> dict[str, str]:
     present = features_at(version)
-    return {name: text for name, text in FEATURES.items() if name not in _PARAMETER_FEATURES or name in present}
+    return {name: text for name, text in FEATURES.items() if name not in _BOUND_FEATURES or name in present}
 
 
 def _hook_lines(hook: SpecHook) -> list[str]:
     since = hook_since(hook.name)
     tag = f"  # since {since}" if since > SPEC_HISTORY[0].version else ""
+    if hook.name in HOOK_FEATURES:
+        tag += f", optional: with capability {HOOK_FEATURES[hook.name]}"
     if len(hook.signature_text()) <= _ONE_LINE:
         head = [f"  {hook.signature_text()}{tag}"]
     else:
@@ -100,6 +103,7 @@ def _release_lines(upto: SpecVersion) -> list[str]:
         else:
             items = [f"{p.hook}: {p.name} ({p.purpose})" for p in release.added]
             items += [f"hook {h}: {_doc(h)}" for h in release.added_hooks]
+            items += [f"optional hook {h.name} (capability {h.feature}): {h.purpose}" for h in release.optional_hooks]
         lines.extend((label if i == 0 else " " * len(label)) + item for i, item in enumerate(items))
     return lines
 
@@ -143,6 +147,7 @@ def spec_data(version: SpecVersion) -> dict[str, Any]:
             {
                 "name": hook.name,
                 "since": str(hook_since(hook.name)),
+                "optional_with": HOOK_FEATURES.get(hook.name),
                 "signature": hook.signature_text(),
                 "returns": hook.returns_text,
                 "doc": _doc(hook.name),
@@ -155,6 +160,7 @@ def spec_data(version: SpecVersion) -> dict[str, Any]:
             {
                 "version": str(r.version),
                 "added_hooks": list(r.added_hooks),
+                "optional_hooks": [{"name": h.name, "feature": h.feature, "purpose": h.purpose} for h in r.optional_hooks],
                 "added_parameters": [
                     {"hook": p.hook, "name": p.name, "feature": p.feature, "purpose": p.purpose} for p in r.added
                 ],
@@ -191,11 +197,16 @@ def diff_data(old: SpecVersion, new: SpecVersion) -> dict[str, Any]:
     }
 
 
+def _optional(signature: str) -> str:
+    feature = HOOK_FEATURES.get(signature.split("(", 1)[0])
+    return f"  (optional: with capability {feature})" if feature else ""
+
+
 def render_diff(old: SpecVersion, new: SpecVersion) -> str:
     """:func:`diff_data` as text, one change per line."""
     data = diff_data(old, new)
     lines = [f"spec {old} -> {new}"]
-    lines += [f"  + hook {sig}" for sig in data["added_hooks"]]
+    lines += [f"  + hook {sig}{_optional(sig)}" for sig in data["added_hooks"]]
     lines += [f"  - hook {sig}" for sig in data["removed_hooks"]]
     for sign, key in (("+", "added_parameters"), ("-", "removed_parameters")):
         for p in data[key]:

@@ -1,7 +1,8 @@
 """The load-time validator: compare a backend class with the hook spec.
 
 It checks, without instantiating the class: the declared spec version, the
-constructor, the capabilities, that every spec hook is implemented and marked,
+constructor, the capabilities, that every required spec hook (and every
+optional hook whose feature the backend declares) is implemented and marked,
 that no marked hook is unknown, and for every hook every parameter's presence,
 name, order, kind, default and annotation, plus ``*args``/``**kwargs``.
 A backend that declares no version gets the newest version it matches exactly.
@@ -20,7 +21,16 @@ from kvwire.config import BackendConfig
 from kvwire.findings import BackendOrigin, Finding
 from kvwire.markers import IMPL_ATTR
 from kvwire.signatures import EMPTY, VAR_KINDS, Issue, compare_annotation, compare_hook, impl_parameters
-from kvwire.spec import CURRENT, PARAMETER_FEATURES, SpecHook, SpecVersion, features_at, known_versions, spec_hooks
+from kvwire.spec import (
+    CURRENT,
+    HOOK_FEATURES,
+    PARAMETER_FEATURES,
+    SpecHook,
+    SpecVersion,
+    features_at,
+    known_versions,
+    spec_hooks,
+)
 
 __all__ = ["Status", "ValidationResult", "validate_backend"]
 
@@ -152,6 +162,8 @@ def _hook_issues(cls: type, version: SpecVersion) -> list[Issue]:
             )
     for name, hook in hooks.items():
         func, is_method = _lookup(cls, name)
+        if func is None and name in HOOK_FEATURES:
+            continue  # optional: required only with its feature (checked with the capabilities)
         if func is None:
             issues.append(
                 Issue(
@@ -213,13 +225,28 @@ def _declared_capabilities(cls: type, version: SpecVersion) -> tuple[frozenset[s
                 impl_side,
             )
         )
-    later = set(PARAMETER_FEATURES.values()) - features_at(version)
+    for name in sorted(declared & set(HOOK_FEATURES.values()) & features_at(version)):
+        for hook in (h for h, f in HOOK_FEATURES.items() if f == name):
+            func, _ = _lookup(cls, hook)
+            if func is None:
+                signature = spec_hooks(version)[hook].signature_text()
+                issues.append(
+                    Issue(
+                        hook,
+                        "missing-hook",
+                        f"declares {name!r} but does not implement its hook `{hook}`",
+                        f"add `@kvwire.hookimpl def {_with_self(signature)}`, or drop {name!r}",
+                        signature,
+                        "<absent>",
+                    )
+                )
+    later = (set(PARAMETER_FEATURES.values()) | set(HOOK_FEATURES.values())) - features_at(version)
     for name in sorted(declared & later):
         issues.append(
             Issue(
                 "capabilities",
                 "capabilities",
-                f"declares {name!r}, but spec {version} has no parameter for it",
+                f"declares {name!r}, but spec {version} has no parameter or hook for it",
                 f"declare spec_version {CURRENT} and implement its parameters, or drop {name!r}",
                 f"spec {version}: send_kvcache parameters honour {sorted(features_at(version))}",
                 impl_side,

@@ -6,7 +6,9 @@ test kit is run against. Its endpoints live in one process-wide directory, so
 it reaches only endpoints of its own process (it does not declare
 ``interprocess``). Like a real engine it writes only inside memory the peer
 registered: a peer description that claims more than the peer registered is
-refused before any byte moves.
+refused before any byte moves. It carries notifications (an in-process inbox
+per endpoint, appended after the copy returns) and leaves non-blocking sends to
+the core's pool, so the contract kit exercises both paths of the core.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import itertools
 import os
 import threading
 import weakref
+from collections import deque
 
 from kvwire.base import Transport, TransportBackend
 from kvwire.config import BackendConfig
 from kvwire.errors import PeerUnreachableError
+from kvwire.notifications import Notification
 from kvwire.planning import TransferPlan
 from kvwire.regions import RegionSet
 
@@ -35,6 +39,7 @@ class LocalTransport(Transport):
 
     def __init__(self) -> None:
         self.regions = RegionSet()
+        self._inbox: deque[Notification] = deque()
         with _lock:
             self._endpoint = f"local://{os.getpid()}/{next(_counter)}"
             _directory[self._endpoint] = self
@@ -49,7 +54,7 @@ class LocalTransport(Transport):
     def unregister_memory(self, base: int) -> None:
         self.regions.remove(base)
 
-    def write(self, session_id: str, plan: TransferPlan) -> None:
+    def _peer(self, session_id: str) -> LocalTransport:
         peer = _directory.get(session_id)
         if peer is None:
             raise PeerUnreachableError(
@@ -57,10 +62,23 @@ class LocalTransport(Transport):
                 "reaches endpoints of its own process)",
                 peer=session_id,
             )
+        return peer
+
+    def write(self, session_id: str, plan: TransferPlan) -> None:
+        peer = self._peer(session_id)
         self.regions.check(plan.src, plan.length)
         peer.regions.check(plan.dst, plan.length, names=("dst", "length"), where=f"memory of peer {session_id!r}")
         for src, dst, length in zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist()):
             ctypes.memmove(dst, src, length)
+
+    def notify(self, session_id: str, message: bytes) -> None:
+        self._peer(session_id)._inbox.append(Notification(self._endpoint, message))  # deque.append is atomic
+
+    def poll_notifications(self) -> list[Notification]:
+        out: list[Notification] = []
+        while self._inbox:
+            out.append(self._inbox.popleft())
+        return out
 
     def close(self) -> None:
         with _lock:
@@ -72,9 +90,18 @@ class LocalTransport(Transport):
 class LocalBackend(TransportBackend):
     """In-process transfers; every send feature supported."""
 
-    spec_version = "1.4"
+    spec_version = "1.5"
     capabilities = frozenset(
-        {"layer_ids", "device_kv_indices", "head_slicing", "mha", "mla", "host_memory", "device_memory"}
+        {
+            "layer_ids",
+            "device_kv_indices",
+            "head_slicing",
+            "notifications",
+            "mha",
+            "mla",
+            "host_memory",
+            "device_memory",
+        }
     )
 
     def open_transport(self, config: BackendConfig) -> LocalTransport:

@@ -63,7 +63,7 @@ class TemplateTransport(kvwire.Transport):
 class TemplateBackend(kvwire.TransportBackend):
     """Declare the spec version whose features you honour, and only the capabilities you implement."""
 
-    spec_version = "1.4"
+    spec_version = "1.5"
     capabilities = frozenset({"layer_ids", "mha", "mla", "host_memory"})
 
     def open_transport(self, config: kvwire.BackendConfig) -> TemplateTransport:

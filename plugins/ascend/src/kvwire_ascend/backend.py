@@ -55,7 +55,7 @@ def _engine_factory(config: BackendConfig) -> Callable[[], Any] | None:
 class AscendBackend(TransportBackend):
     """Mooncake's Ascend transport for NPU-resident KV caches; no split destinations."""
 
-    spec_version = "1.4"
+    spec_version = "1.5"
     capabilities = frozenset(
         {"layer_ids", "head_slicing", "mha", "mla", "host_memory", "device_memory", "interprocess"}
     )

@@ -20,7 +20,7 @@ __all__ = ["HiSparseBackend"]
 class HiSparseBackend(TransportBackend):
     """Mooncake transport with split host/device destinations."""
 
-    spec_version = "1.4"
+    spec_version = "1.5"
     capabilities = MooncakeBackend.capabilities | {"device_kv_indices"}  # the same transport, split destinations
 
     @classmethod

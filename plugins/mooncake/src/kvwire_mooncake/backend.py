@@ -31,7 +31,7 @@ def engine_availability() -> str | None:
 class MooncakeBackend(TransportBackend):
     """Moves KV pages with Mooncake's ``batch_transfer_sync_write``."""
 
-    spec_version = "1.4"
+    spec_version = "1.5"
     capabilities = frozenset(
         {"layer_ids", "head_slicing", "mha", "mla", "host_memory", "device_memory", "interprocess", "raw_write"}
     )

@@ -18,7 +18,7 @@ __all__ = ["NixlBackend"]
 class NixlBackend(kvwire.TransportBackend):
     """Moves KV pages with NIXL WRITE transfers (one agent per instance, descriptor tables as arrays)."""
 
-    spec_version = "1.4"
+    spec_version = "1.5"
     capabilities = frozenset(
         {
             "layer_ids",

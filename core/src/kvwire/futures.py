@@ -1,0 +1,72 @@
+"""``TransferFuture``: the handle :meth:`kvwire.Connection.submit_kvcache` returns.
+
+It is a :class:`concurrent.futures.Future` (``done``, ``result(timeout)``,
+``exception``, callbacks, ``asyncio.wrap_future``) whose result is the bytes
+moved; a failure is the typed kvwire error. It may follow another future (a
+transport's, or a worker pool's): cancelling it cancels that one, which
+succeeds only while the transfer has not started.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+__all__ = ["TransferFuture", "follow"]
+
+T = TypeVar("T")
+
+
+class TransferFuture(Future[int]):
+    """A submitted transfer: its result is the bytes moved, or it raises the typed kvwire error.
+
+    ``session_id`` is the peer it goes to; ``nbytes`` and ``descriptors`` are
+    what was planned (known at submission, before anything moved; None when a
+    third-party backend's own future does not say).
+    """
+
+    def __init__(self, session_id: str, nbytes: int | None, descriptors: int | None) -> None:
+        super().__init__()
+        self.session_id = session_id
+        self.nbytes = nbytes
+        self.descriptors = descriptors
+        self._source: Future[Any] | None = None
+
+    def cancel(self) -> bool:
+        """Cancel the transfer if it has not started (then True); a started one runs to its end (False)."""
+        source = self._source
+        if source is not None and not source.cancel():
+            return False
+        return super().cancel()
+
+    def __repr__(self) -> str:
+        return f"<kvwire.TransferFuture to {self.session_id[:60]!r} {self.nbytes} bytes {self._state.lower()}>"
+
+
+def follow(
+    target: TransferFuture,
+    source: Future[T],
+    result: Callable[[T], int],
+    error: Callable[[BaseException], BaseException] = lambda exc: exc,
+) -> TransferFuture:
+    """Complete ``target`` when ``source`` completes: ``result(value)``, ``error(exc)``, or cancelled."""
+    target._source = source
+
+    def done(fut: Future[T]) -> None:
+        if fut.cancelled():
+            Future.cancel(target)
+            return
+        exc = fut.exception()
+        if not target.set_running_or_notify_cancel():
+            return
+        if exc is not None:
+            target.set_exception(error(exc))
+            return
+        try:
+            target.set_result(result(fut.result()))
+        except BaseException as wrong:  # a result the spec does not allow, as the error it is
+            target.set_exception(error(wrong))
+
+    source.add_done_callback(done)
+    return target
