@@ -52,7 +52,8 @@ def test_current_spec_prints_every_hook_capability_and_release(capsys: pytest.Ca
         "  1.5  optional hook submit_kvcache (capability submit): native non-blocking sends; "
         "without it the core runs send_kvcache on a worker pool",
         "       optional hook send_notification (capability notifications): short messages delivered after the data",
-        "       optional hook poll_notifications (capability notifications): the messages that arrived at this endpoint",
+        "       optional hook poll_notifications (capability notifications): "
+        "the messages that arrived at this endpoint",
     ]
     assert "  poll_notifications() -> list[Notification]  # since 1.5, optional: with capability notifications" in lines
 
@@ -61,7 +62,8 @@ def test_an_older_version_leaves_out_what_came_later(capsys: pytest.CaptureFixtu
     lines = _run(capsys, "--version", "1.1")
     assert lines[0] == "kvwire backend spec 1.1 (current is 1.5; known: 1.0, 1.1, 1.2, 1.3, 1.4, 1.5)"
     text = "\n".join(lines)
-    assert "remove_peer" not in text and "submit" not in text and "dst_device_kv_indices" not in text and "device_kv_indices" not in text
+    assert "submit" not in text
+    assert "remove_peer" not in text and "dst_device_kv_indices" not in text and "device_kv_indices" not in text
     assert "      dst_layer_ids: Sequence[int] | None = None,  # since 1.1, capability layer_ids" in lines
     assert lines[-1] == "  1.1  send_kvcache: dst_layer_ids (pipeline-parallel layer mapping)"
 

@@ -160,7 +160,9 @@ def spec_data(version: SpecVersion) -> dict[str, Any]:
             {
                 "version": str(r.version),
                 "added_hooks": list(r.added_hooks),
-                "optional_hooks": [{"name": h.name, "feature": h.feature, "purpose": h.purpose} for h in r.optional_hooks],
+                "optional_hooks": [
+                    {"name": h.name, "feature": h.feature, "purpose": h.purpose} for h in r.optional_hooks
+                ],
                 "added_parameters": [
                     {"hook": p.hook, "name": p.name, "feature": p.feature, "purpose": p.purpose} for p in r.added
                 ],

@@ -6,6 +6,7 @@ Import it into a backend's own tests with ``from kvwire.testing.contract import 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,10 @@ __all__ = [
     "test_contract_empty_request",
     "test_contract_invalid_input_leaves_destination_unchanged",
     "test_contract_layer_mapping",
+    "test_contract_notifications_follow_their_data",
+    "test_contract_notifications_refused_without_the_feature",
+    "test_contract_submit_invalid_input_is_refused_before_queueing",
+    "test_contract_submit_many_in_flight",
     "test_contract_round_trip",
     "test_contract_signature",
     "test_contract_split_destinations",
@@ -183,3 +188,83 @@ def test_contract_invalid_input_leaves_destination_unchanged(
             args.get("dst_device_kv_indices"),
         )
     assert kvwire_invalid_pair.receiver.hashes() == kvwire_invalid_pair.untouched_hashes()
+
+
+# -- non-blocking sends and notifications (spec 1.5) ----------------------------------------------------------
+
+SUBMIT_SHAPE = (LayoutSpec("mha", (0, 1), 96, 2048), LayoutSpec("mha", (0, 1), 96, 2048))
+
+
+def _disjoint_requests(rng: np.random.Generator, count: int, per: int) -> list[tuple[Any, Any]]:
+    """``count`` requests of ``per`` fragmented pages each, their destination pages pairwise disjoint."""
+    dst = rng.permutation(96)[: count * per].astype(np.int32)
+    return [(fragmented_pages(rng, 96, per), np.sort(dst[k * per : (k + 1) * per])) for k in range(count)]
+
+
+def test_contract_submit_many_in_flight(kvwire_harness: ContractHarness) -> None:
+    """Twelve submissions from three threads, all in flight together: each returns its bytes, all bytes land."""
+    rng = np.random.default_rng(7)
+    requests = _disjoint_requests(rng, 12, 6)
+    with kvwire_harness.pair(*SUBMIT_SHAPE, 7) as pair:
+        with ThreadPoolExecutor(3) as callers:
+            futures = list(callers.map(lambda r: pair.submit(*r), requests))
+        per_request = 6 * 2048 * 4
+        assert [f.result(timeout=60) for f in futures] == [per_request] * len(requests)
+        prefill = np.concatenate([p for p, _ in requests])
+        dst = np.concatenate([d for _, d in requests])
+        assert pair.receiver.hashes() == pair.expected_hashes(prefill, dst)
+
+
+@pytest.mark.parametrize("case", ["src-page-out-of-range", "dst-page-out-of-range", "ptr-value", "float-indices"])
+def test_contract_submit_invalid_input_is_refused_before_queueing(
+    kvwire_harness: ContractHarness, kvwire_invalid_pair: Pair, case: str
+) -> None:
+    """submit_kvcache raises the same typed error as send_kvcache, synchronously; the destination is unchanged."""
+    make, argument = INVALID[case]
+    args = make(kvwire_invalid_pair)
+    ptrs = args.pop("dst_kv_ptrs", kvwire_invalid_pair.dst_kv_ptrs)
+    with pytest.raises(InvalidTransferError, match=argument):
+        kvwire_invalid_pair.connection.submit_kvcache(
+            kvwire_invalid_pair.receiver.endpoint, args["prefill"], ptrs, args["dst_pages"]
+        )
+    assert kvwire_invalid_pair.receiver.hashes() == kvwire_invalid_pair.untouched_hashes()
+
+
+def test_contract_notifications_follow_their_data(kvwire_harness: ContractHarness) -> None:
+    """Each notification is seen only once its transfer's pages are complete in the receiver's memory.
+
+    Twelve submissions with a notification each (all in flight together), then
+    a blocking send followed by send_notification; the receiver digests each
+    notification's pages the moment it sees it.
+    """
+    _needs(kvwire_harness, "notifications")
+    rng = np.random.default_rng(8)
+    requests = _disjoint_requests(rng, 13, 6)
+    messages = [f"kit-{k}".encode() for k in range(len(requests))]
+    with kvwire_harness.pair(*SUBMIT_SHAPE, 8) as pair:
+        futures = [pair.submit(p, d, m) for (p, d), m in zip(requests[:-1], messages, strict=False)]
+        for future in futures:
+            future.result(timeout=60)
+        pair.send(*requests[-1])
+        pair.connection.send_notification(pair.receiver.endpoint, messages[-1])
+        pages = {m: [int(i) for i in d] for m, (_, d) in zip(messages, requests, strict=True)}
+        arrivals = pair.receiver.watch(len(messages), 60.0, pages)
+        assert sorted(m for _, m, _ in arrivals) == sorted(messages)
+        assert arrivals[-1][1] == messages[-1]  # sent after every other one had been delivered
+        sender = pair.connection.endpoint()
+        expected = {m: pair.expected_page_digest(p, d) for m, (p, d) in zip(messages, requests, strict=True)}
+        for source, message, seen in arrivals:
+            assert seen == expected[message], f"notification {message!r} was seen before its data was complete"
+            assert source and isinstance(source, str) and (source == sender or kvwire_harness.two_process)
+        assert pair.receiver.watch(1, 0.05, {}) == []  # each is delivered once
+
+
+def test_contract_notifications_refused_without_the_feature(kvwire_harness: ContractHarness) -> None:
+    if "notifications" in kvwire_harness.capabilities:
+        pytest.skip(f"backend {kvwire_harness.backend!r} declares 'notifications'")
+    with kvwire_harness.pair(*SUBMIT_SHAPE, 9) as pair:
+        with pytest.raises(UnsupportedFeatureError, match="notifications"):
+            pair.connection.send_notification(pair.receiver.endpoint, b"x")
+        with pytest.raises(UnsupportedFeatureError, match="notifications"):
+            pair.submit(np.array([1], np.int32), np.array([1], np.int32), b"x")
+        assert pair.receiver.hashes() == pair.untouched_hashes()

@@ -15,11 +15,12 @@ from numpy.typing import NDArray
 
 from kvwire.config import BackendConfig
 from kvwire.connection import Connection
+from kvwire.futures import TransferFuture
 from kvwire.layout import KVLayout
 from kvwire.registry import connect, default_registry
 from kvwire.testing.receiver import InProcessReceiver, LayoutSpec, Receiver, SubprocessReceiver, buffer_digests
 from kvwire.workload.fragment import fragmented_pages
-from kvwire.workload.memory import KVMemory
+from kvwire.workload.memory import KVMemory, digest
 
 __all__ = ["ContractHarness", "Pair", "expected_buffers", "fragmented_pages"]
 
@@ -68,6 +69,27 @@ class Pair:
     @property
     def dst_kv_ptrs(self) -> list[int]:
         return [b.base for b in self.receiver.layout.buffers]
+
+    def submit(
+        self,
+        prefill: NDArray[np.integer],
+        dst_pages: NDArray[np.integer],
+        notification: bytes | None = None,
+    ) -> TransferFuture:
+        return self.connection.submit_kvcache(
+            self.receiver.endpoint,
+            prefill,  # type: ignore[arg-type]
+            self.dst_kv_ptrs,
+            dst_pages,  # type: ignore[arg-type]
+            notification=notification,
+        )
+
+    def expected_page_digest(self, prefill: NDArray[np.integer], dst_pages: NDArray[np.integer]) -> str:
+        """The digest :meth:`Receiver.watch` reports for ``dst_pages`` once this request's bytes have landed."""
+        out = expected_buffers(
+            self.memory.views, self.local, self.initial_peer().views, self.receiver.layout, prefill, dst_pages
+        )
+        return digest(out, np.asarray(dst_pages, dtype=np.int64))
 
     def send(
         self,

@@ -10,7 +10,8 @@ request. In a subprocess it speaks JSON lines over stdin/stdout
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, Protocol
 
@@ -23,7 +24,18 @@ from kvwire.layout import HeadLayout, KVLayout, MemoryKind, Role
 from kvwire.peer import PeerDescription
 from kvwire.workload.memory import KVMemory, allocate, digest
 
-__all__ = ["InProcessReceiver", "LayoutSpec", "Receiver", "SubprocessReceiver", "buffer_digests", "run_receiver"]
+__all__ = [
+    "Arrival",
+    "InProcessReceiver",
+    "LayoutSpec",
+    "Receiver",
+    "SubprocessReceiver",
+    "buffer_digests",
+    "run_receiver",
+]
+
+#: (sender, message, digest of the message's pages in every buffer when it was seen, or None if it named no pages)
+Arrival = tuple[str, bytes, str | None]
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,7 @@ class Receiver(Protocol):
     layout: KVLayout
 
     def hashes(self) -> list[str]: ...
+    def watch(self, count: int, timeout_s: float, pages: Mapping[bytes, Sequence[int]]) -> list[Arrival]: ...
     def close(self) -> None: ...
 
 
@@ -109,6 +122,24 @@ class InProcessReceiver:
 
     def hashes(self) -> list[str]:
         return buffer_digests(self.memory.views)
+
+    def watch(self, count: int, timeout_s: float, pages: Mapping[bytes, Sequence[int]]) -> list[Arrival]:
+        """Poll notifications until ``count`` arrived or ``timeout_s`` passed; digest each one's pages on sight.
+
+        The digest is taken the moment the notification is seen, so it shows
+        whether its data was already complete then.
+        """
+        deadline = time.monotonic() + timeout_s
+        arrivals: list[Arrival] = []
+        while len(arrivals) < count and time.monotonic() < deadline:
+            got = self.connection.poll_notifications()
+            for note in got:
+                ids = pages.get(note.message)
+                seen = None if ids is None else self.memory.digest(np.asarray(ids, dtype=np.int64))
+                arrivals.append((note.sender, note.message, seen))
+            if not got:
+                time.sleep(200e-6)  # a bounded poll: the deadline ends it
+        return arrivals
 
     def close(self) -> None:
         self.connection.close()
@@ -144,6 +175,18 @@ class SubprocessReceiver:
             raise ControlProtocolError(f"{self.child.what} answered 'hashes' with {answer!r:.200}, not a list of str")
         return answer
 
+    def watch(self, count: int, timeout_s: float, pages: Mapping[bytes, Sequence[int]]) -> list[Arrival]:
+        request = {
+            "cmd": "watch",
+            "count": count,
+            "timeout_s": timeout_s,
+            "pages": {m.hex(): [int(i) for i in ids] for m, ids in pages.items()},
+        }
+        answer = self.child.request(request).get("arrivals")
+        if not isinstance(answer, list):
+            raise ControlProtocolError(f"{self.child.what} answered 'watch' with {answer!r:.200}, not a list")
+        return [(str(a[0]), bytes.fromhex(a[1]), None if a[2] is None else str(a[2])) for a in answer]
+
     def close(self) -> None:
         self.child.close()
 
@@ -157,8 +200,13 @@ def run_receiver(backend: str, spec_json: str, seed: int, config_json: str = "{}
         reply({"error": f"{type(exc).__name__}: {exc}"})
         return 1
     reply(PeerDescription(receiver.endpoint, receiver.layout).to_dict())
+    def watch(request: dict[str, Any]) -> dict[str, Any]:
+        pages = {bytes.fromhex(m): ids for m, ids in request["pages"].items()}
+        found = receiver.watch(int(request["count"]), float(request["timeout_s"]), pages)
+        return {"arrivals": [[sender, message.hex(), seen] for sender, message, seen in found]}
+
     try:
-        serve({"hashes": lambda _: {"hashes": receiver.hashes()}})
+        serve({"hashes": lambda _: {"hashes": receiver.hashes()}, "watch": watch})
     finally:
         receiver.close()
     return 0
