@@ -29,7 +29,7 @@ from kvwire_nixl.errors import translate
 from kvwire_nixl.memory import segment_of
 from kvwire_nixl.options import NixlOptions
 from kvwire_nixl.quiet import Quiet, install_filter
-from kvwire_nixl.xfer import RegionIndex, groups_of
+from kvwire_nixl.xfer import Group, RegionIndex, chunks_of, groups_of
 
 REGIONS = (Region(0x10000, 0x1000, "DRAM", 0), Region(0x20000, 0x2000, "DRAM", 0))
 
@@ -86,9 +86,12 @@ def test_malformed_endpoints_are_refused_naming_the_problem(endpoint: object, me
 
 
 def test_options_defaults_strings_and_errors() -> None:
-    assert NixlOptions.from_config(kvwire.BackendConfig()) == NixlOptions("kvwire", 2.0, 0)
-    strings = {"progress": "nixl", "progress_interval_ms": "0.5", "num_threads": "2"}
-    assert NixlOptions.from_config(kvwire.BackendConfig(options=strings)) == NixlOptions("nixl", 0.5, 2)
+    auto = max(1, min(2, len(os.sched_getaffinity(0))))
+    assert NixlOptions.from_config(kvwire.BackendConfig()) == NixlOptions("kvwire", 2.0, 0, auto)
+    strings = {"progress": "nixl", "progress_interval_ms": "0.5", "num_threads": "2", "streams": "3"}
+    assert NixlOptions.from_config(kvwire.BackendConfig(options=strings)) == NixlOptions("nixl", 0.5, 2, 3)
+    assert NixlOptions.from_config(kvwire.BackendConfig(options={"streams": "auto"})).streams == auto
+    assert NixlOptions.from_config(kvwire.BackendConfig(options={"streams": 1})).streams == 1
     bad: list[tuple[dict[str, object], str]] = [
         ({"progres": "nixl"}, "did you mean 'progress'"),
         ({"progress": "spin"}, "must be one of"),
@@ -97,6 +100,11 @@ def test_options_defaults_strings_and_errors() -> None:
         ({"progress_interval_ms": 0}, r"must be in \[0.1, 1000.0\]"),
         ({"num_threads": -1}, r"must be an int in \[0, 64\]"),
         ({"num_threads": 2.5}, r"must be an int in \[0, 64\]"),
+        ({"streams": 0}, r"BackendConfig.options\['streams'\] must be 'auto' or an int in \[1, 64\]"),
+        ({"streams": 65}, r"\['streams'\] must be 'auto' or an int in \[1, 64\], got 65"),
+        ({"streams": "two"}, r"\['streams'\] must be 'auto' or an int"),
+        ({"streams": True}, r"\['streams'\] must be 'auto' or an int"),
+        ({"stream": 2}, "did you mean 'streams'"),
     ]
     for options, message in bad:
         with pytest.raises(kvwire.ConfigError, match=message):
@@ -235,3 +243,41 @@ def test_the_agent_name_is_read_from_nixl_metadata_before_loading_it() -> None:
     assert metadata_agent(b"nixlSerDes|Agent" + (10**9).to_bytes(8, "little")) is None
     with pytest.raises(kvwire.InvalidTransferError, match="its NIXL metadata is agent 'alpha', not 'beta'"):
         decode_endpoint(encode_endpoint("beta", blob, REGIONS))
+
+
+def _group(lengths: list[int], base: int = 0x100000) -> Group:
+    length = np.array(lengths, np.int64)
+    addr = base + np.concatenate(([0], np.cumsum(length)[:-1])).astype(np.int64)
+    table = np.stack([addr, length, np.zeros_like(length)], axis=1)
+    return Group(table, "DRAM", table + np.array([0x10000000, 0, 0], np.int64), "DRAM")
+
+
+def test_chunks_are_byte_balanced_in_order_and_cover_every_row() -> None:
+    mib = 1 << 20
+    group = _group([mib] * 8 + [2 * mib] * 4 + [mib] * 8)  # 24 MiB
+    parts = chunks_of([group], 3)
+    assert len(parts) == 3 and all(len(p) == 1 for p in parts)
+    tables = [p[0].local for p in parts]
+    assert np.array_equal(np.concatenate(tables), group.local)  # every row once, in order
+    assert np.array_equal(np.concatenate([p[0].remote for p in parts]), group.remote)
+    assert [int(t[:, 1].sum()) // mib for t in tables] == [8, 8, 8]
+    assert all(t.flags.c_contiguous for t in tables)
+
+
+def test_small_writes_and_one_stream_are_not_split() -> None:
+    mib = 1 << 20
+    group = _group([mib] * 6)  # 6 MiB: one 4 MiB chunk at most
+    assert chunks_of([group], 1) == [[group]]
+    assert chunks_of([group], 4) == [[group]]
+    assert len(chunks_of([_group([mib] * 8)], 4)) == 2  # 4 MiB per stream at least
+    (single,) = chunks_of([_group([64 * mib])], 4)  # one descriptor cannot be cut
+    assert single[0].local.shape == (1, 3)
+
+
+def test_every_segment_group_is_split_over_the_same_streams() -> None:
+    mib = 1 << 20
+    dram, other = _group([2 * mib] * 8), _group([mib], base=0x9000000)
+    parts = chunks_of([dram, other], 2)
+    assert len(parts) == 2
+    assert sum(int(g.local[:, 1].sum()) for p in parts for g in p) == 17 * mib
+    assert [len(p) for p in parts] == [2, 1]  # the one-row group lands whole in the first chunk

@@ -193,6 +193,8 @@ def test_contract_invalid_input_leaves_destination_unchanged(
 # -- non-blocking sends and notifications (spec 1.5) ----------------------------------------------------------
 
 SUBMIT_SHAPE = (LayoutSpec("mha", (0, 1), 96, 2048), LayoutSpec("mha", (0, 1), 96, 2048))
+#: 1.5 MiB per request: long enough a write that a notification sent ahead of its data is caught mid-write.
+NOTIFY_SHAPE = (LayoutSpec("mha", (0, 1), 96, 65536), LayoutSpec("mha", (0, 1), 96, 65536))
 
 
 def _disjoint_requests(rng: np.random.Generator, count: int, per: int) -> list[tuple[Any, Any]]:
@@ -241,14 +243,14 @@ def test_contract_notifications_follow_their_data(kvwire_harness: ContractHarnes
     rng = np.random.default_rng(8)
     requests = _disjoint_requests(rng, 13, 6)
     messages = [f"kit-{k}".encode() for k in range(len(requests))]
-    with kvwire_harness.pair(*SUBMIT_SHAPE, 8) as pair:
+    with kvwire_harness.pair(*NOTIFY_SHAPE, 8) as pair:
+        pair.receiver.start_watch({m: [int(i) for i in d] for m, (_, d) in zip(messages, requests, strict=True)})
         futures = [pair.submit(p, d, m) for (p, d), m in zip(requests[:-1], messages, strict=False)]
         for future in futures:
             future.result(timeout=60)
         pair.send(*requests[-1])
         pair.connection.send_notification(pair.receiver.endpoint, messages[-1])
-        pages = {m: [int(i) for i in d] for m, (_, d) in zip(messages, requests, strict=True)}
-        arrivals = pair.receiver.watch(len(messages), 60.0, pages)
+        arrivals = pair.receiver.collect(len(messages), 60.0)
         assert sorted(m for _, m, _ in arrivals) == sorted(messages)
         assert arrivals[-1][1] == messages[-1]  # sent after every other one had been delivered
         sender = pair.connection.endpoint()
@@ -256,7 +258,8 @@ def test_contract_notifications_follow_their_data(kvwire_harness: ContractHarnes
         for source, message, seen in arrivals:
             assert seen == expected[message], f"notification {message!r} was seen before its data was complete"
             assert source and isinstance(source, str) and (source == sender or kvwire_harness.two_process)
-        assert pair.receiver.watch(1, 0.05, {}) == []  # each is delivered once
+        pair.receiver.start_watch({})
+        assert pair.receiver.collect(1, 0.05) == []  # each is delivered once
 
 
 def test_contract_notifications_refused_without_the_feature(kvwire_harness: ContractHarness) -> None:

@@ -10,6 +10,7 @@ request. In a subprocess it speaks JSON lines over stdin/stdout
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -19,6 +20,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.config import BackendConfig
+from kvwire.connection import Connection
 from kvwire.control import ChildProcess, ControlProtocolError, reply, serve
 from kvwire.layout import HeadLayout, KVLayout, MemoryKind, Role
 from kvwire.peer import PeerDescription
@@ -104,8 +106,50 @@ class Receiver(Protocol):
     layout: KVLayout
 
     def hashes(self) -> list[str]: ...
-    def watch(self, count: int, timeout_s: float, pages: Mapping[bytes, Sequence[int]]) -> list[Arrival]: ...
+    def start_watch(self, pages: Mapping[bytes, Sequence[int]]) -> None: ...
+    def collect(self, count: int, timeout_s: float) -> list[Arrival]: ...
     def close(self) -> None: ...
+
+
+class _Watcher:
+    """A thread polling one connection's notifications and digesting each one's pages on arrival."""
+
+    def __init__(self, connection: Connection, memory: KVMemory, pages: Mapping[bytes, Sequence[int]]) -> None:
+        self._connection, self._memory, self._pages = connection, memory, dict(pages)
+        self._arrivals: list[Arrival] = []
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="kvwire-kit-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                got = self._connection.poll_notifications()
+                for note in got:
+                    ids = self._pages.get(note.message)
+                    seen = None if ids is None else self._memory.digest(np.asarray(ids, dtype=np.int64))
+                    with self._cond:
+                        self._arrivals.append((note.sender, note.message, seen))
+                        self._cond.notify_all()
+                if not got:
+                    time.sleep(0)  # yield, then poll again until stopped
+        except BaseException as exc:  # reported by wait()
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+
+    def wait(self, count: int, timeout_s: float) -> list[Arrival]:
+        with self._cond:
+            self._cond.wait_for(lambda: len(self._arrivals) >= count or self._error is not None, timeout_s)
+            if self._error is not None:
+                raise self._error
+            return list(self._arrivals)
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._thread.join(timeout=10)
 
 
 class InProcessReceiver:
@@ -119,29 +163,36 @@ class InProcessReceiver:
         self.connection = connect(backend, config)
         self.connection.register_kv_buffers(self.layout)
         self.endpoint = self.connection.endpoint()
+        self._watcher: _Watcher | None = None
 
     def hashes(self) -> list[str]:
         return buffer_digests(self.memory.views)
 
-    def watch(self, count: int, timeout_s: float, pages: Mapping[bytes, Sequence[int]]) -> list[Arrival]:
-        """Poll notifications until ``count`` arrived or ``timeout_s`` passed; digest each one's pages on sight.
+    def start_watch(self, pages: Mapping[bytes, Sequence[int]]) -> None:
+        """Start polling notifications in a thread; each one's pages are digested the moment it is seen.
 
-        The digest is taken the moment the notification is seen, so it shows
-        whether its data was already complete then.
+        The digest shows whether a notification's data was complete when it
+        arrived. Polling has begun when this returns, so senders may start.
         """
-        deadline = time.monotonic() + timeout_s
-        arrivals: list[Arrival] = []
-        while len(arrivals) < count and time.monotonic() < deadline:
-            got = self.connection.poll_notifications()
-            for note in got:
-                ids = pages.get(note.message)
-                seen = None if ids is None else self.memory.digest(np.asarray(ids, dtype=np.int64))
-                arrivals.append((note.sender, note.message, seen))
-            if not got:
-                time.sleep(200e-6)  # a bounded poll: the deadline ends it
+        self.stop_watch()
+        self._watcher = _Watcher(self.connection, self.memory, pages)
+
+    def collect(self, count: int, timeout_s: float) -> list[Arrival]:
+        """The arrivals once ``count`` were seen or ``timeout_s`` passed; stops the watch."""
+        watcher = self._watcher
+        if watcher is None:
+            raise RuntimeError("collect() without start_watch()")
+        arrivals = watcher.wait(count, timeout_s)
+        self.stop_watch()
         return arrivals
 
+    def stop_watch(self) -> None:
+        watcher, self._watcher = getattr(self, "_watcher", None), None
+        if watcher is not None:
+            watcher.stop()
+
     def close(self) -> None:
+        self.stop_watch()
         self.connection.close()
 
 
@@ -175,16 +226,14 @@ class SubprocessReceiver:
             raise ControlProtocolError(f"{self.child.what} answered 'hashes' with {answer!r:.200}, not a list of str")
         return answer
 
-    def watch(self, count: int, timeout_s: float, pages: Mapping[bytes, Sequence[int]]) -> list[Arrival]:
-        request = {
-            "cmd": "watch",
-            "count": count,
-            "timeout_s": timeout_s,
-            "pages": {m.hex(): [int(i) for i in ids] for m, ids in pages.items()},
-        }
-        answer = self.child.request(request).get("arrivals")
+    def start_watch(self, pages: Mapping[bytes, Sequence[int]]) -> None:
+        pages_hex = {m.hex(): [int(i) for i in ids] for m, ids in pages.items()}
+        self.child.request({"cmd": "start_watch", "pages": pages_hex})
+
+    def collect(self, count: int, timeout_s: float) -> list[Arrival]:
+        answer = self.child.request({"cmd": "collect", "count": count, "timeout_s": timeout_s}).get("arrivals")
         if not isinstance(answer, list):
-            raise ControlProtocolError(f"{self.child.what} answered 'watch' with {answer!r:.200}, not a list")
+            raise ControlProtocolError(f"{self.child.what} answered 'collect' with {answer!r:.200}, not a list")
         return [(str(a[0]), bytes.fromhex(a[1]), None if a[2] is None else str(a[2])) for a in answer]
 
     def close(self) -> None:
@@ -200,13 +249,17 @@ def run_receiver(backend: str, spec_json: str, seed: int, config_json: str = "{}
         reply({"error": f"{type(exc).__name__}: {exc}"})
         return 1
     reply(PeerDescription(receiver.endpoint, receiver.layout).to_dict())
-    def watch(request: dict[str, Any]) -> dict[str, Any]:
-        pages = {bytes.fromhex(m): ids for m, ids in request["pages"].items()}
-        found = receiver.watch(int(request["count"]), float(request["timeout_s"]), pages)
+    def start_watch(request: dict[str, Any]) -> dict[str, Any]:
+        receiver.start_watch({bytes.fromhex(m): ids for m, ids in request["pages"].items()})
+        return {"ok": True}
+
+    def collect(request: dict[str, Any]) -> dict[str, Any]:
+        found = receiver.collect(int(request["count"]), float(request["timeout_s"]))
         return {"arrivals": [[sender, message.hex(), seen] for sender, message, seen in found]}
 
+    handlers = {"hashes": lambda _: {"hashes": receiver.hashes()}, "start_watch": start_watch, "collect": collect}
     try:
-        serve({"hashes": lambda _: {"hashes": receiver.hashes()}, "watch": watch})
+        serve(handlers)
     finally:
         receiver.close()
     return 0

@@ -57,7 +57,7 @@ class AscendBackend(TransportBackend):
 
     spec_version = "1.5"
     capabilities = frozenset(
-        {"layer_ids", "head_slicing", "mha", "mla", "host_memory", "device_memory", "interprocess"}
+        {"layer_ids", "head_slicing", "submit", "mha", "mla", "host_memory", "device_memory", "interprocess"}
     )
 
     @classmethod

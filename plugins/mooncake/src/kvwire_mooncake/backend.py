@@ -33,7 +33,18 @@ class MooncakeBackend(TransportBackend):
 
     spec_version = "1.5"
     capabilities = frozenset(
-        {"layer_ids", "head_slicing", "mha", "mla", "host_memory", "device_memory", "interprocess", "raw_write"}
+        {
+            "layer_ids",
+            "head_slicing",
+            "submit",
+            "notifications",
+            "mha",
+            "mla",
+            "host_memory",
+            "device_memory",
+            "interprocess",
+            "raw_write",
+        }
     )
 
     @classmethod

@@ -9,9 +9,10 @@ hooks, layouts and planning are the core base's, the engine's sharp edges are
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
-from kvwire import BackendConfig, TransferPlan, Transport
+from kvwire import BackendConfig, Notification, TransferPlan, Transport
 from kvwire_mooncake.engine import MooncakeEngine
 from kvwire_mooncake.raw import raw_write
 
@@ -36,6 +37,23 @@ class MooncakeTransport(Transport):
 
     def write(self, session_id: str, plan: TransferPlan) -> None:
         self.engine.write(session_id, plan.src, plan.dst, plan.length)  # checks local sources first
+
+    def submit(self, session_id: str, plan: TransferPlan, notification: bytes | None) -> Future[None]:
+        """The write (then the notification) on the engine's worker threads (see ``MooncakeEngine.submit``)."""
+        engine = self.engine
+
+        def job() -> None:
+            engine.write(session_id, plan.src, plan.dst, plan.length)
+            if notification is not None:
+                engine.notify(session_id, notification)
+
+        return engine.submit(job)
+
+    def notify(self, session_id: str, message: bytes) -> None:
+        self.engine.notify(session_id, message)
+
+    def poll_notifications(self) -> list[Notification]:
+        return [Notification(sender, message) for sender, message in self.engine.notifications()]
 
     def raw_write(self, session_id: str, plan: TransferPlan) -> None:
         """The bare engine call on the plan's arrays (the ``raw_write`` extension)."""

@@ -2,8 +2,9 @@
 
 The other modules of this package each hold one concern; this one puts them
 together behind the methods a backend uses: ``register`` / ``unregister`` /
-``unregister_all``, ``write``, ``endpoint``, ``forget_peer``, ``close``, and
-:meth:`MooncakeEngine.borrow` for code that needs the bare engine (benchmarks).
+``unregister_all``, ``write``, ``submit``, ``notify`` / ``notifications``,
+``endpoint``, ``forget_peer``, ``close``, and :meth:`MooncakeEngine.borrow` for
+code that needs the bare engine (benchmarks).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from contextlib import contextmanager
 from typing import Any, Final
 
@@ -21,8 +24,8 @@ from numpy.typing import NDArray
 
 from kvwire import RegionSet
 from kvwire.config import BackendConfig
-from kvwire.errors import InvalidTransferError, TransferError
-from kvwire_mooncake.engine import failures
+from kvwire.errors import InvalidTransferError, TransferError, TransferTimeoutError
+from kvwire_mooncake.engine import failures, notify
 from kvwire_mooncake.engine.arrays import INT64_MAX, as_addresses, require_positive
 from kvwire_mooncake.engine.binding import (
     P2P_HANDSHAKE,
@@ -323,6 +326,59 @@ class MooncakeEngine:
         failed, _ = self._dispatch.run(session_id, peer, retry, nbytes, lists)
         if failed:
             raise self._classify(session_id, failed, nbytes, allow_renew=False)[0]
+
+    # ------------------------------------------------------------------ non-blocking use and notifications
+
+    def submit(self, job: Callable[[], None]) -> Future[None]:
+        """Run ``job`` (a :meth:`write`, then a :meth:`notify`) on the engine's own worker threads.
+
+        Mooncake's non-blocking calls cannot carry a send safely
+        (``get_batch_transfer_status`` blocks and crashes the process when asked
+        twice; ``transfer_check_status`` sees one descriptor), so a submitted
+        write runs on the daemon workers the engine already keeps for deadlines,
+        one started per job when none is idle. Cancelling the future before a
+        worker picks it up means the write never starts.
+        """
+        self._check_open()
+        try:
+            return self._workers.submit(job)
+        except RuntimeError:
+            raise TransferError("MooncakeEngine is closed") from None
+
+    def notify(self, session_id: str, message: bytes) -> None:
+        """Deliver ``message`` to ``session_id`` with Mooncake's notify (see :mod:`.notify`), within ``timeout_s``.
+
+        It reaches the peer after the bytes of every write to it that has returned.
+        """
+        self._check_open()
+        regions = self._regions.items()
+        src = regions[0][0] if regions else 0
+        with self._lock:
+            slot = self._slots.pin()
+
+        def call() -> int:
+            try:
+                engine = slot.engine
+                return -1 if engine is None else notify.send(engine, session_id, self._endpoint, message, src)
+            finally:
+                self._slots.release(slot)
+
+        try:
+            rc = self._workers.submit(call).result(timeout=self.config.timeout_s)
+        except RuntimeError:
+            raise TransferError("MooncakeEngine is closed", peer=session_id) from None
+        except FutureTimeoutError:
+            raise TransferTimeoutError(
+                f"the notification to {session_id} was not sent within {self.config.timeout_s:g} s", peer=session_id
+            ) from None
+        if rc != 0:
+            raise TransferError(f"Mooncake could not send the notification to {session_id} (rc={rc})", code=rc)
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """``(sender endpoint, message)`` of each kvwire notification received since the last call."""
+        self._check_open()
+        engine = self._slots.primary.engine
+        return [] if engine is None else notify.received(engine)
 
     # ------------------------------------------------------------------ failure and recovery
 

@@ -1,0 +1,74 @@
+"""Mooncake's notify: kvwire's notifications on Mooncake's own mechanism.
+
+``batch_transfer_sync(..., notify=TransferNotify(name, msg))`` sends the
+notification once the whole batch has completed (over TCP: applied at the
+destination), before the call returns, on a new connection to the peer's
+handshake listener; the peer's ``get_notifies()`` drains what arrived. A batch
+of one zero-length descriptor carries a notification alone (its addresses are
+not used). Measured on this binding (0.3.13): 1,500 of 1,500 notifications
+were seen only after their data, in send order; ``msg`` is a JSON string, so
+non-UTF-8 bytes are mangled: kvwire sends ``kvwire1:`` + base64 and ignores
+anything else. A notification that fails to send is not reported (the call
+still returns 0): Mooncake offers no delivery receipt.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any, Final
+
+from kvwire.errors import UnsupportedFeatureError
+
+__all__ = ["PREFIX", "decode", "encode", "received", "send"]
+
+#: Marks kvwire's messages among whatever else reaches the engine's notify queue.
+PREFIX: Final = "kvwire1:"
+
+
+def _binding() -> Any:
+    try:
+        from mooncake import engine as binding
+    except ImportError as exc:  # an engine double, or an engine without the notify API
+        raise UnsupportedFeatureError(f"the Mooncake engine binding offers no notifications ({exc})") from exc
+    if not hasattr(binding, "TransferNotify"):
+        raise UnsupportedFeatureError("this Mooncake engine binding has no TransferNotify (upgrade mooncake)")
+    return binding
+
+
+def encode(message: bytes) -> str:
+    return PREFIX + base64.b64encode(message).decode("ascii")
+
+
+def decode(text: str) -> bytes | None:
+    """The message kvwire encoded, or None for anything else."""
+    if not text.startswith(PREFIX):
+        return None
+    try:
+        return base64.b64decode(text[len(PREFIX) :], validate=True)
+    except (binascii.Error, ValueError):
+        return None
+
+
+def send(engine: Any, session_id: str, sender: str, message: bytes, src: int) -> int:
+    """One notification to ``session_id`` as ``sender``, on a zero-length write from local ``src``; the rc."""
+    binding = _binding()
+    note = binding.TransferNotify(sender, encode(message))
+    return int(engine.batch_transfer_sync(session_id, [src], [src], [0], binding.TransferOpcode.Write, note))
+
+
+def received(engine: Any) -> list[tuple[str, bytes]]:
+    """``(sender, message)`` of every kvwire notification the engine received since the last call."""
+    get = getattr(engine, "get_notifies", None)
+    if get is None:
+        raise UnsupportedFeatureError("this Mooncake engine has no get_notifies (an engine double, or too old)")
+    out: list[tuple[str, bytes]] = []
+    for note in get():
+        try:
+            name, text = str(note.name), str(note.msg)
+        except UnicodeDecodeError:  # not kvwire's: kvwire sends ASCII
+            continue
+        message = decode(text)
+        if message is not None:
+            out.append((name, message))
+    return out
