@@ -9,13 +9,17 @@ the prefill side's first command, ``start``, carries the same arguments;
 digest of their guard pages (the pages just before and after every target
 run); ``verify`` then checks the target pages against the sender's digest and
 that the guard pages did not change, so a write that fell short or overran is
-caught.
+caught. A ``key`` keeps the guards of several requests in flight apart.
+``watch`` starts polling arrival notifications in a thread (noting when each
+was seen); ``confirm`` waits for one request's notification, then verifies it.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 from typing import IO, Any
 
 import numpy as np
@@ -48,20 +52,29 @@ def guard_pages(pages: NDArray[np.int64], num_pages: int) -> NDArray[np.int64]:
     return np.setdiff1d(near, pages)
 
 
-class DecodeSide:
-    """The decode side's memory and the scramble/verify commands."""
+#: Seconds between two polls of the notification watcher (it must not take a core from the transfers).
+WATCH_POLL_S = 20e-6
 
-    def __init__(self, memory: KVMemory) -> None:
+
+class DecodeSide:
+    """The decode side's memory and the scramble/verify/watch/confirm commands."""
+
+    def __init__(self, memory: KVMemory, conn: Connection | None = None) -> None:
         self.memory = memory
+        self.conn = conn
         self.fill = 0
-        self.guards: list[str] = []
+        self.guards: dict[str, list[str]] = {}
+        self.seen: dict[bytes, float] = {}  # notification message -> time.monotonic() when seen
+        self._cond = threading.Condition()
+        self._watcher: threading.Thread | None = None
+        self._stop = False
 
     def scramble(self, message: dict[str, Any]) -> dict[str, Any]:
         self.fill = (self.fill + 1) % 256  # a different value each time: stale bytes never pass
-        self.guards = []
+        guards = self.guards[str(message.get("key", ""))] = []
         for kind, pages in page_sets(self.memory, message):
             self.memory.fill_pages(pages, self.fill, kind)
-            self.guards.append(self.memory.digest(guard_pages(pages, self.memory.num_pages), kind))
+            guards.append(self.memory.digest(guard_pages(pages, self.memory.num_pages), kind))
         return {"ok": True}
 
     def verify(self, message: dict[str, Any]) -> dict[str, Any]:
@@ -70,7 +83,42 @@ class DecodeSide:
         guards = [self.memory.digest(guard_pages(pages, self.memory.num_pages), kind) for kind, pages in sets]
         # every page set holds a full copy of the sender's pages (split presets mirror all layers per kind)
         ok = all(t == message["digest"] for t in targets)
-        return {"ok": ok, "guards_ok": not self.guards or guards == self.guards}
+        recorded = self.guards.get(str(message.get("key", "")))
+        return {"ok": ok, "guards_ok": not recorded or guards == recorded}
+
+    def watch(self, message: dict[str, Any]) -> dict[str, Any]:
+        if self.conn is None:
+            raise RuntimeError("no connection to watch")
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._poll, args=(self.conn,), name="bench-watch", daemon=True)
+            self._watcher.start()
+        return {"ok": True}
+
+    def _poll(self, conn: Connection) -> None:
+        while not self._stop:
+            got = conn.poll_notifications()
+            if got:
+                now = time.monotonic()
+                with self._cond:
+                    self.seen.update((n.message, now) for n in got)
+                    self._cond.notify_all()
+            else:
+                time.sleep(WATCH_POLL_S)
+
+    def confirm(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Wait for the request's notification (``note``, hex), then verify its pages; when it was seen."""
+        note = bytes.fromhex(message["note"])
+        with self._cond:
+            arrived = self._cond.wait_for(lambda: note in self.seen, float(message.get("timeout_s", 30.0)))
+            seen = self.seen.pop(note, None)
+        if not arrived:
+            return {"ok": False, "guards_ok": False, "seen": None, "error": "no notification"}
+        return {**self.verify(message), "seen": seen}
+
+    def stop(self) -> None:
+        self._stop = True
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
 
 
 def _start(args: dict[str, Any], host: str | None = None) -> tuple[Connection, KVMemory]:
@@ -99,9 +147,13 @@ def _session(args: dict[str, Any], stdin: IO[bytes] | None, stdout: IO[str] | No
         reply({"error": f"{type(exc).__name__}: {exc}"}, stdout)
         return 1
     reply(PeerDescription(conn.endpoint(), memory.layout).to_dict(), stdout)
-    side = DecodeSide(memory)
+    side = DecodeSide(memory, conn)
+    handlers = {"scramble": side.scramble, "verify": side.verify, "watch": side.watch, "confirm": side.confirm}
     with conn:
-        serve({"scramble": side.scramble, "verify": side.verify}, stdin=stdin, stdout=stdout)
+        try:
+            serve(handlers, stdin=stdin, stdout=stdout)
+        finally:
+            side.stop()
     return 0
 
 

@@ -8,7 +8,8 @@ engine call (the ``raw_write`` extension) in the same run;
 ``--compare-uncoalesced`` sends one descriptor per page through it. Before
 every mode the decode side scrambles the target pages, so every mode is timed
 on the same memory state and only kvwire's own write can pass verification.
-``--prefill-tp``/``--decode-tp`` other than 1 run :mod:`kvwire.benchmark.tp`.
+``--prefill-tp``/``--decode-tp`` other than 1 run :mod:`kvwire.benchmark.tp`;
+``--inflight-requests N`` runs :mod:`kvwire.benchmark.inflight`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvwire.benchmark.decode import listen
+from kvwire.benchmark.inflight import check_inflight, inflight_rows, measure_inflight, slot_pages
 from kvwire.benchmark.presets import PRESETS, get_preset
 from kvwire.benchmark.results import summary
 from kvwire.benchmark.tp import add_tp_arguments, check_tp_arguments, run_tp, tp_rows, uses_tp
@@ -98,6 +100,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--compare-raw", action="store_true", help="also time the raw engine call, same descriptors")
     parser.add_argument("--compare-uncoalesced", action="store_true", help="also time one descriptor per page")
+    parser.add_argument(
+        "--inflight-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="submit N requests at once per wave (submit_kvcache, notifications) and compare with one at a time",
+    )
     add_tp_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
@@ -152,6 +161,9 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"{' and '.join(wanted)}: backend {args.backend!r} offers no raw engine call (capability 'raw_write')"
         )
+    check_inflight(args, info.capabilities)
+    if args.inflight_requests is not None and uses_tp(args):
+        raise ConfigError("--inflight-requests runs with --prefill-tp 1 --decode-tp 1 only")
 
 
 def _decode_side(args: argparse.Namespace, decode_args: dict[str, Any]) -> Channel:
@@ -175,11 +187,13 @@ def run(args: argparse.Namespace) -> int:
     preset = get_preset(args.preset)
     pages_per_request = -(-args.tokens // preset.page_tokens)
     pool_pages = 2 * pages_per_request + 64  # the runs and the 1-3 free pages after each (~1.25x at mean run 8)
+    slots = args.inflight_requests
+    peer_pages = pool_pages if slots is None else slots * slot_pages(pages_per_request)
     config = BackendConfig(host=args.host, timeout_s=args.timeout, process_settings=True, options=dict(args.option))
     decode_args = {
         "backend": args.backend,
         "preset": preset.name,
-        "pages": pool_pages,
+        "pages": peer_pages,
         "seed": args.seed + 1,
         "device": args.device,
         "config": config.to_dict(),
@@ -196,7 +210,13 @@ def run(args: argparse.Namespace) -> int:
         with connect(args.backend, config) as conn:
             conn.register_kv_buffers(pool.layout)
             conn.add_peer(peer.endpoint, peer.layout)
-            result = _measure(args, conn, pool, peer.endpoint, peer.layout, pages_per_request, decode)
+            if args.inflight_requests is not None:
+                step = _Progress(2 * args.requests, not args.json).step
+                result = measure_inflight(
+                    args, conn, pool, peer.endpoint, peer.layout, pages_per_request, decode, step
+                )
+            else:
+                result = _measure(args, conn, pool, peer.endpoint, peer.layout, pages_per_request, decode)
     finally:
         decode.close()
     return _report(args, result, pool.backing, args.peer or "local child")
@@ -304,8 +324,9 @@ def _print_table(r: dict[str, Any]) -> None:
             + (", guard pages unchanged" if r["guards_unchanged"] else ", GUARD PAGES CHANGED"),
         ),
         ("throughput", f"{r['gbps']:.3f} GB/s"),
-        ("latency p50 / p99", f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f} ms"),
+        ("latency p50 / p99", f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f} ms" if "p50_ms" in r else "see below"),
         ("descriptors/request", f"{r['descriptors_before']} {unit} -> {r['descriptors_after']} after coalescing"),
+        *inflight_rows(r),
     ]
     head, tail = tp_rows(r)
     rows[1:1] = head

@@ -1,0 +1,228 @@
+"""``kvwire bench --inflight-requests N``: N requests in flight per peer against one at a time, in one run.
+
+Both phases send the same kind of requests (fragmented pages, fresh random
+placement) in waves of N: the sequential phase with blocking
+``send_kvcache`` calls one after another, then ``send_notification``; the
+in-flight phase submits all N at once (``submit_kvcache`` with the
+notification attached) and waits for every future. Each request writes into
+its own slot of the decode pool (slots are disjoint, with a free page at each
+end, so one request's guard pages are never another's targets). After a
+wave, the decode side confirms each request by its notification and only then
+verifies its bytes and guard pages. Throughput is bytes over the time from the
+wave's first call to its last completion; verification is outside it.
+
+Also reported: how long ``submit_kvcache`` takes to return, and when each
+notification was seen on the decode side relative to its transfer's
+completion on the prefill side (both ``time.monotonic``, one host's clock:
+the local decode child only). Mooncake sends the notification inside the
+write's own job, before the future completes, so its figure can be negative.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvwire.benchmark.results import summary
+from kvwire.connection import Connection
+from kvwire.control import Channel
+from kvwire.errors import ConfigError
+from kvwire.layout import KVLayout
+from kvwire.planning import plan_transfer
+from kvwire.workload.fragment import place, run_lengths
+from kvwire.workload.memory import KVMemory
+
+__all__ = ["check_inflight", "inflight_rows", "measure_inflight", "slot_pages"]
+
+
+def slot_pages(pages_per_request: int) -> int:
+    """Pages of one decode-pool slot: room for a request's runs and gaps, plus a free page at each end."""
+    return 2 * pages_per_request + 64 + 2
+
+
+def check_inflight(args: argparse.Namespace, capabilities: frozenset[str]) -> None:
+    n = args.inflight_requests
+    if n is None:
+        return
+    if n < 1:
+        raise ConfigError(f"--inflight-requests must be >= 1, got {n}")
+    if args.compare_raw or args.compare_uncoalesced:
+        raise ConfigError("--inflight-requests compares its own two phases; drop --compare-raw/--compare-uncoalesced")
+    if "notifications" not in capabilities:
+        raise ConfigError(
+            f"--inflight-requests: the decode side confirms each request by notification, and backend "
+            f"{args.backend!r} does not declare 'notifications'"
+        )
+
+
+@dataclass
+class _Request:
+    index: int
+    slot: int
+    src: NDArray[np.int32]
+    dst: NDArray[np.int32]
+    digest: str
+    note: bytes
+    descriptors: tuple[int, int]
+
+    def pages(self) -> dict[str, Any]:
+        return {"host_pages": self.dst.tolist(), "device_pages": None, "key": str(self.slot)}
+
+
+def measure_inflight(
+    args: argparse.Namespace,
+    conn: Connection,
+    pool: KVMemory,
+    endpoint: str,
+    peer_layout: KVLayout,
+    pages_per_request: int,
+    decode: Channel,
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
+    """Run both phases; the in-flight phase's figures are the result's main ones."""
+    if peer_layout.is_split:
+        raise ConfigError("--inflight-requests does not support split (HiSparse) presets")
+    n = int(args.inflight_requests)
+    rng = np.random.default_rng(args.seed + 11)
+    ptrs = [b.base for b in peer_layout.buffers]
+    span = slot_pages(pages_per_request)
+    one = np.array([0], np.int32)
+    conn.send_kvcache(endpoint, one, ptrs, one)  # warm-up: handshake
+    decode.request({"cmd": "watch"})
+    local_clock = args.peer is None
+    phases: dict[str, dict[str, Any]] = {}
+    count = 0
+
+    def new_request(slot: int) -> _Request:
+        nonlocal count
+        lengths = run_lengths(rng, pages_per_request, args.mean_run, args.run_shape)
+        src = place(rng, lengths, pool.num_pages).astype(np.int32)
+        dst = (slot * span + 1 + place(rng, lengths, span - 2)).astype(np.int32)
+        plan = plan_transfer(pool.layout, peer_layout, src, ptrs, dst)
+        count += 1
+        note = f"bench-{count}".encode()
+        shape = (plan.descriptors_before, len(plan))
+        return _Request(count, slot, src, dst, pool.digest(src.astype(np.int64)), note, shape)
+
+    for phase in ("sequential", "inflight"):
+        seconds, total, ok, guards = 0.0, 0, True, True
+        submit_s: list[float] = []
+        after_done: list[float] = []
+        descriptors = [0, 0]
+        for first in range(0, args.requests, n):
+            wave = [new_request(k) for k in range(min(n, args.requests - first))]
+            for r in wave:
+                decode.request({"cmd": "scramble", **r.pages()})
+                descriptors[0] += r.descriptors[0]
+                descriptors[1] += r.descriptors[1]
+            done_at: dict[int, float] = {}
+            start = time.perf_counter()
+            if phase == "sequential":
+                for r in wave:
+                    total += conn.send_kvcache(endpoint, r.src, ptrs, r.dst)
+                    done_at[r.index] = time.monotonic()
+                    conn.send_notification(endpoint, r.note)
+                seconds += time.perf_counter() - start
+            else:
+                futures: list[Future[int]] = []
+                for r in wave:
+                    t0 = time.perf_counter()
+                    future = conn.submit_kvcache(endpoint, r.src, ptrs, r.dst, notification=r.note)
+                    submit_s.append(time.perf_counter() - t0)
+                    future.add_done_callback(_stamp(done_at, r.index))
+                    futures.append(future)
+                wait(futures)
+                seconds += time.perf_counter() - start
+                total += sum(f.result() for f in futures)
+            for r in wave:
+                answer = decode.request({"cmd": "confirm", "note": r.note.hex(), "digest": r.digest, **r.pages()})
+                ok = ok and answer.get("ok") is True
+                guards = guards and answer.get("guards_ok") is True
+                seen = answer.get("seen")
+                if local_clock and isinstance(seen, float) and r.index in done_at:
+                    after_done.append(seen - done_at[r.index])
+                progress("verified" if ok and guards else "MISMATCH")
+        phases[phase] = {
+            "gbps": round(total / seconds / 1e9, 3) if seconds else 0.0,
+            "seconds": seconds,
+            "bytes": total,
+            "verified": ok,
+            "guards": guards,
+            "submit_s": submit_s,
+            "after_done": after_done,
+            "descriptors": tuple(descriptors),
+        }
+    return _result(args, phases)
+
+
+def _stamp(done_at: dict[int, float], index: int) -> Callable[[Future[int]], None]:
+    """A done-callback noting when request ``index`` completed."""
+
+    def stamp(_: Future[int]) -> None:
+        done_at[index] = time.monotonic()
+
+    return stamp
+
+
+def _pct(values: list[float], q: float, scale: float) -> float | None:
+    return round(float(np.percentile(np.array(values), q)) * scale, 1) if values else None
+
+
+def _result(args: argparse.Namespace, phases: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    seq, inf = phases["sequential"], phases["inflight"]
+    requests = args.requests
+    result = summary(
+        requests,
+        args.tokens,
+        inf["bytes"],
+        [inf["seconds"]],
+        verified=seq["verified"] and inf["verified"],
+        guards=seq["guards"] and inf["guards"],
+        descriptors=inf["descriptors"],
+    )
+    result.pop("p50_ms")
+    result.pop("p99_ms")
+    result.update(
+        inflight_requests=args.inflight_requests,
+        sequential_gbps=seq["gbps"],
+        inflight_gbps=inf["gbps"],
+        inflight_ratio=round(inf["gbps"] / seq["gbps"], 3) if seq["gbps"] else None,
+        submit_p50_us=_pct(inf["submit_s"], 50, 1e6),
+        submit_p99_us=_pct(inf["submit_s"], 99, 1e6),
+        notify_p50_us=_pct(inf["after_done"], 50, 1e6),
+        notify_p99_us=_pct(inf["after_done"], 99, 1e6),
+        sequential_notify_p50_us=_pct(seq["after_done"], 50, 1e6),
+        sequential_notify_p99_us=_pct(seq["after_done"], 99, 1e6),
+    )
+    return result
+
+
+def inflight_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """The table rows of an in-flight run."""
+    if "inflight_gbps" not in r:
+        return []
+
+    def us(key: str) -> str:
+        return "n/a (decode side on another host)" if r[key] is None else f"{r[key]:.0f} us"
+
+    return [
+        ("1 in flight", f"{r['sequential_gbps']:.3f} GB/s   (send_kvcache, then send_notification)"),
+        (
+            f"{r['inflight_requests']} in flight",
+            f"{r['inflight_gbps']:.3f} GB/s   (submit_kvcache with notification; "
+            f"{r['inflight_ratio']:.3f}x the sequential)",
+        ),
+        ("submit returns p50/p99", f"{r['submit_p50_us']:.0f} / {r['submit_p99_us']:.0f} us"),
+        ("notification p50/p99", f"{us('notify_p50_us')} / {us('notify_p99_us')} after completion (in flight)"),
+        (
+            "  sequential",
+            f"{us('sequential_notify_p50_us')} / {us('sequential_notify_p99_us')} after send_kvcache returned",
+        ),
+    ]
