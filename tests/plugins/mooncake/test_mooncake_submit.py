@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from concurrent.futures import wait
 
@@ -71,3 +74,49 @@ def test_notifications_never_arrive_before_their_data_over_many_rounds() -> None
                 k = messages.index(message)
                 prefill, pages = requests[k]
                 assert seen == pair.expected_page_digest(prefill, pages), f"{message!r} arrived before its data"
+
+
+def test_bench_inflight_requests_confirms_each_request_by_notification() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvwire",
+            "bench",
+            "--backend",
+            "mooncake",
+            "--preset",
+            "qwen2.5-7b",
+            "--requests",
+            "5",
+            "--tokens",
+            "1024",
+            "--inflight-requests",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert (result["verified"], result["guards_unchanged"], result["inflight_requests"]) == (True, True, 2)
+    assert result["bytes"] == 5 * 64 * 16384 * 28 * 2
+    assert result["sequential_gbps"] > 0 and result["inflight_gbps"] > 0
+    assert result["submit_p50_us"] > 0 and result["notify_p50_us"] is not None
+
+
+@pytest.mark.parametrize(
+    ("extra", "error"),
+    [
+        (["--inflight-requests", "0"], "--inflight-requests must be >= 1, got 0"),
+        (["--inflight-requests", "2", "--compare-raw"], "--inflight-requests compares its own two phases"),
+        (["--inflight-requests", "2", "--backend", "ascend"], "does not declare 'notifications'"),
+    ],
+)
+def test_bench_inflight_refuses_bad_combinations(extra: list[str], error: str) -> None:
+    argv = [sys.executable, "-m", "kvwire", "bench", "--backend", "mooncake", *extra]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2 and error in proc.stderr, proc.stderr[-2000:]
