@@ -52,6 +52,9 @@ def test_each_rule_is_reported_by_check(full_check: tuple[int, dict[str, Any]]) 
     assert entries["adapted"]["spec_version"] == "1.1"
     assert entries["adapted"]["capabilities"] == ["layer_ids", "mha"]
     assert entries["local"]["status"] == "ok"
+    # How submit_kvcache runs: the core's pool for every one of these; nothing for a backend that does not load.
+    assert (entries["ok"]["submit"], entries["adapted"]["submit"], entries["local"]["submit"]) == ("core",) * 3
+    assert entries["missing_parameter"]["submit"] is None
 
 
 def test_ascend_case_message_names_everything(run_with_plugins: RunPy, full_check: tuple[int, dict[str, Any]]) -> None:
@@ -134,8 +137,8 @@ def test_table_output(run_with_plugins: RunPy) -> None:
     proc = run_with_plugins("-m", "kvwire", "check", "--backends", "ok,adapted,local")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0].split() == ["backend", "distribution", "version", "spec", "status", "capabilities"]
-    assert lines[2].split()[:5] == ["adapted", "kvtest-adapted", "0.3.1", "1.1", "adapted"]
+    assert lines[0].split() == ["backend", "distribution", "version", "spec", "status", "submit", "capabilities"]
+    assert lines[2].split()[:6] == ["adapted", "kvtest-adapted", "0.3.1", "1.1", "adapted", "core"]
     assert "3/3 allowed backend(s) pass" in proc.stdout
 
 

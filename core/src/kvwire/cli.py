@@ -26,7 +26,7 @@ _SIGPIPE_EXIT = 128 + 13  # what a shell reports for a process ended by SIGPIPE
 
 
 def _check_table(infos: Sequence[BackendInfo]) -> str:
-    headers = ("backend", "distribution", "version", "spec", "status", "capabilities")
+    headers = ("backend", "distribution", "version", "spec", "status", "submit", "capabilities")
     rows = [
         (
             i.name,
@@ -34,6 +34,7 @@ def _check_table(infos: Sequence[BackendInfo]) -> str:
             i.version or "-",
             i.spec_version or "-",
             i.status,
+            i.submission or "-",
             ",".join(sorted(i.capabilities)) or "-",
         )
         for i in infos

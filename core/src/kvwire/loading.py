@@ -62,6 +62,13 @@ class BackendInfo:
             return f"{self.status}: {self.error}"
         return self.status
 
+    @property
+    def submission(self) -> str | None:
+        """How ``submit_kvcache`` runs: ``"native"`` (the backend's hook), ``"core"`` (the core's pool), or None."""
+        if self.status not in ("ok", "adapted"):
+            return None
+        return "native" if "submit" in self.capabilities else "core"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -72,6 +79,7 @@ class BackendInfo:
             "spec_version": self.spec_version,
             "declared_spec_version": self.declared_spec_version,
             "capabilities": sorted(self.capabilities),
+            "submit": self.submission,
             "error": self.error,
             "runtime": self.runtime,
             "findings": [
