@@ -1,7 +1,9 @@
 """Decode side: register KV buffers, publish a kvwire.PeerDescription on stdout, verify what arrives.
 
-Started by prefill.py, which reads the description from the pipe, sends pages,
-then writes one JSON line back: the destination pages and their digest.
+Started by prefill.py, which reads the description from the pipe, then sends
+pages with a notification, and writes one JSON line back: the destination
+pages and their digest. This side waits for the notification (it arrives only
+once the pages are in this process's memory), then checks them.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import time
 
 import numpy as np
 
@@ -21,12 +24,19 @@ CONFIG = kvwire.BackendConfig(process_settings=True)  # a standalone process: th
 def main(backend: str) -> int:
     bufs = [np.zeros((PAGES, PAGE_BYTES), np.uint8) for _ in range(2 * LAYERS)]  # K of each layer, then V
     layout = kvwire.KVLayout.mha(bufs[:LAYERS], bufs[LAYERS:])
-    with kvwire.connect(backend, CONFIG, features={"interprocess"}) as conn:
+    with kvwire.connect(backend, CONFIG, features={"interprocess", "notifications"}) as conn:
         conn.register_kv_buffers(layout)
         print(json.dumps(kvwire.PeerDescription(conn.endpoint(), layout).to_dict()), flush=True)
-        sent = json.loads(sys.stdin.readline())  # blocks until the prefill side has sent
+        deadline = time.monotonic() + 30
+        while not any(n.message == b"request-1" for n in conn.poll_notifications()):
+            if time.monotonic() > deadline:
+                print("decode: no notification within 30 s", file=sys.stderr)
+                return 1
+            time.sleep(0.001)
+        arrived = [buf.copy() for buf in bufs]  # the pages are here now: keep them as the notification found them
+        sent = json.loads(sys.stdin.readline())  # what the prefill side sent, to check them against
         pages = np.array(sent["pages"], np.int64)
-        digest = hashlib.blake2b(b"".join(buf[pages].tobytes() for buf in bufs)).hexdigest()
+        digest = hashlib.blake2b(b"".join(buf[pages].tobytes() for buf in arrived)).hexdigest()
     ok = digest == sent["digest"]
     print(f"decode: {len(pages)} pages x {len(bufs)} buffers {'verified' if ok else 'DO NOT MATCH'}", file=sys.stderr)
     return 0 if ok else 1
