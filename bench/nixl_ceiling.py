@@ -3,20 +3,25 @@
 Builds the requests ``kvwire bench`` sends (a preset's pools, fragmented runs
 of geometric length, planned by :func:`kvwire.plan_transfer`) and copies every
 descriptor with numpy inside one process: no second process, no transport.
-Also copies the same number of bytes as one contiguous block. Medians of
+Also copies the same number of bytes as one contiguous block, and (``--threads``,
+default 2) the same descriptors cut into that many byte-balanced slices copied by
+as many threads at once: the ceiling for kvwire-nixl's ``streams``. Medians of
 ``--repeat`` passes over all requests; prints GB/s. Pools are torch CPU tensors
 when torch is installed, like the bench's (``--backing numpy``: anonymous
 mappings advised to use transparent huge pages).
 
-    python bench/nixl_ceiling.py [--preset llama3-8b] [--requests 8] [--tokens 4096] [--backing auto] [--json]
+    python bench/nixl_ceiling.py [--preset llama3-8b] [--requests 8] [--tokens 4096] [--threads 2] [--backing auto]
+                                 [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -35,15 +40,24 @@ def _views(memory: KVMemory) -> tuple[NDArray[np.int64], list[NDArray[np.uint8]]
     return bases, [memory.views[i].reshape(-1) for i in order]
 
 
-def _copy(plan: kvwire.TransferPlan, src: KVMemory, dst: KVMemory) -> None:
-    """Copy every descriptor of ``plan`` with numpy slice assignment."""
+def _copy(plan: kvwire.TransferPlan, src: KVMemory, dst: KVMemory, rows: slice = slice(None)) -> None:
+    """Copy the descriptors ``rows`` of ``plan`` (all by default) with numpy slice assignment."""
     sbases, sviews = _views(src)
     dbases, dviews = _views(dst)
-    si = np.searchsorted(sbases, plan.src, side="right") - 1
-    di = np.searchsorted(dbases, plan.dst, side="right") - 1
-    soff, doff = (plan.src - sbases[si]).tolist(), (plan.dst - dbases[di]).tolist()
-    for s, d, so, do, n in zip(si.tolist(), di.tolist(), soff, doff, plan.length.tolist()):
+    psrc, pdst, plength = plan.src[rows], plan.dst[rows], plan.length[rows]
+    si = np.searchsorted(sbases, psrc, side="right") - 1
+    di = np.searchsorted(dbases, pdst, side="right") - 1
+    soff, doff = (psrc - sbases[si]).tolist(), (pdst - dbases[di]).tolist()
+    for s, d, so, do, n in zip(si.tolist(), di.tolist(), soff, doff, plength.tolist()):
         dviews[d][do : do + n] = sviews[s][so : so + n]
+
+
+def _slices(plan: kvwire.TransferPlan, k: int) -> list[slice]:
+    """``k`` byte-balanced row ranges of ``plan`` (as kvwire-nixl cuts a write over its streams)."""
+    ends = np.cumsum(plan.length)
+    cuts = np.searchsorted(ends, ends[-1] * np.arange(1, k) / k, side="left") + 1
+    bounds = [0, *np.minimum(cuts, len(plan)).tolist(), len(plan)]
+    return [slice(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
 
 
 def main() -> int:
@@ -54,6 +68,7 @@ def main() -> int:
     parser.add_argument("--mean-run", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2, help="threads for the parallel copy (default 2)")
     parser.add_argument(
         "--backing", choices=("auto", "numpy", "torch"), default="auto", help="pool memory, as kvwire bench's (auto)"
     )
@@ -79,12 +94,17 @@ def main() -> int:
     block_src, block_dst = np.ones(plans[0].nbytes, np.uint8), np.zeros(plans[0].nbytes, np.uint8)
     np.copyto(block_dst, block_src)  # fault every page in before timing
 
-    fragmented, contiguous = [], []
+    fragmented, contiguous, parallel = [], [], []
+    pool = ThreadPoolExecutor(max(1, args.threads))
     for _ in range(args.repeat):
         start = time.perf_counter()
         for plan in plans:
             _copy(plan, src, dst)
         fragmented.append(nbytes / (time.perf_counter() - start) / 1e9)
+        start = time.perf_counter()
+        for plan in plans:
+            list(pool.map(lambda rows, plan=plan: _copy(plan, src, dst, rows), _slices(plan, max(1, args.threads))))
+        parallel.append(nbytes / (time.perf_counter() - start) / 1e9)
         start = time.perf_counter()
         for _ in plans:
             np.copyto(block_dst, block_src)
@@ -97,7 +117,10 @@ def main() -> int:
         "descriptors_per_request": round(statistics.mean(len(p) for p in plans)),
         "memcpy_descriptors_gbps": round(statistics.median(fragmented), 3),
         "memcpy_contiguous_gbps": round(statistics.median(contiguous), 3),
+        "threads": args.threads,
+        "memcpy_descriptors_threads_gbps": round(statistics.median(parallel), 3),
     }
+    pool.shutdown()
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -105,6 +128,7 @@ def main() -> int:
               f"({result['bytes_per_request'] / 2**20:.0f} MiB, {result['descriptors_per_request']} descriptors each)")
         print(f"  same descriptors   {result['memcpy_descriptors_gbps']:7.3f} GB/s")
         print(f"  one block          {result['memcpy_contiguous_gbps']:7.3f} GB/s")
+        print(f"  same, {args.threads} threads   {result['memcpy_descriptors_threads_gbps']:7.3f} GB/s")
     return 0
 
 

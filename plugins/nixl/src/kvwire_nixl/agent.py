@@ -1,7 +1,14 @@
 """``NixlAgent``: one NIXL agent (UCX backend), its lock, its progress thread and its teardown.
 
-Every NIXL call goes through here under one lock: the agent runs NIXL's
-``NIXL_THREAD_SYNC_NONE`` mode, so it must never be entered by two threads.
+Every NIXL call goes through here under one lock. With one stream the agent
+runs NIXL's ``NIXL_THREAD_SYNC_NONE`` mode, so it must never be entered by two
+threads. With ``streams`` > 1 the UCX backend gets that many workers
+(``num_workers``) and the agent runs ``NIXL_THREAD_SYNC_RW`` (UCX workers in
+multi-thread mode); the thread holding the lock may then hand a write's chunks
+to the agent's stream threads (:meth:`NixlAgent.on_streams`), which call NIXL in
+parallel. NIXL's UCX backend binds a worker to each thread on the thread's
+first ``prepXfer`` (round robin over the workers), so exactly ``streams``
+threads ever prepare transfers on this agent: each posts on its own worker.
 
 Why kvwire progresses the agent itself: NIXL 1.5's Python API starts its UCX
 progress thread with a poll delay of 0, so that thread spins on a core (on 2
@@ -20,12 +27,14 @@ from __future__ import annotations
 
 import itertools
 import os
+import queue
 import re
 import secrets
 import socket
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager, suppress
 from typing import Any, Final, TypeVar
 
@@ -66,6 +75,38 @@ class _State:
         self.remotes: set[str] = set()
         self.leaked: list[Any] = []  # transfer handles NIXL refused to release (still in flight)
         self.failed_loads: set[str] = set()  # peer agents whose metadata failed to load
+        self.streams: list[_Stream] = []  # the posting threads (streams > 1 only)
+
+
+_Task = tuple[Callable[[], Any], "Future[Any]"]
+
+
+class _Stream:
+    """One posting thread: runs the callables handed to it, in order, until stopped (``None``)."""
+
+    def __init__(self, name: str) -> None:
+        self.tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (task := self.tasks.get()) is not None:
+            fn, future = task
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the caller
+                future.set_exception(exc)
+            del task, fn, future
+
+    def submit(self, fn: Callable[[], _T]) -> Future[_T]:
+        future: Future[_T] = Future()
+        self.tasks.put((fn, future))
+        return future
+
+    def stop(self) -> None:
+        self.tasks.put(None)
+        if self.thread is not threading.current_thread():
+            self.thread.join(_JOIN_S)
 
 
 def _progress(state: _State, interval_s: float) -> None:
@@ -85,6 +126,10 @@ def _teardown(state: _State) -> None:
     thread = state.thread
     if thread is not None and thread is not threading.current_thread():
         thread.join(_JOIN_S)
+    with state.lock:
+        streams, state.streams = state.streams, []
+    for stream in streams:
+        stream.stop()
     with state.lock, state.quiet:
         agent, state.agent = state.agent, None
         if agent is None:
@@ -113,9 +158,16 @@ class NixlAgent:
             install_filter()
         self.quiet = Quiet(not config.verbose)
         self.name = agent_name()
+        self.streams = options.streams
+        sync = api.nixl_thread_sync_t
         nixl_config = api.nixl_agent_config(
-            enable_prog_thread=options.progress == "nixl", num_threads=options.num_threads, backends=[UCX]
+            enable_prog_thread=options.progress == "nixl",
+            backends=[],  # UCX is created below, with its worker count
+            sync_mode=sync.NIXL_THREAD_SYNC_RW if self.streams > 1 else sync.NIXL_THREAD_SYNC_NONE,
         )
+        params = {"num_workers": str(self.streams)}
+        if options.num_threads > 0:
+            params["num_threads"] = str(options.num_threads)
         with self.quiet:
             try:
                 agent = api.nixl_agent(self.name, nixl_config)
@@ -123,12 +175,20 @@ class NixlAgent:
                 raise kvwire.BackendUnavailableError(
                     f"NIXL could not create an agent: {type(exc).__name__}: {exc}"
                 ) from None
-            if UCX not in agent.backends:
-                plugins = list(agent.get_plugin_list())
+            plugins = list(agent.get_plugin_list())
+            if UCX not in plugins:
                 raise kvwire.BackendUnavailableError(f"NIXL's UCX plugin did not load (plugins that did: {plugins})")
+            try:
+                agent.create_backend(UCX, params)
+            except Exception as exc:
+                raise kvwire.BackendUnavailableError(
+                    f"NIXL could not create its UCX backend ({params}): {type(exc).__name__}: {exc}"
+                ) from None
             self.memory_types = frozenset(str(m).removesuffix("_SEG") for m in agent.get_backend_mem_types(UCX))
         self._state = _State(agent, self.quiet)
         self._finalizer = weakref.finalize(self, _teardown, self._state)
+        if self.streams > 1:
+            self._state.streams = [_Stream(f"kvwire-nixl-stream{i}-{self.name}") for i in range(self.streams)]
         if options.progress == "kvwire":
             thread = threading.Thread(
                 target=_progress,
@@ -164,6 +224,19 @@ class NixlAgent:
     def lock(self) -> threading.Lock:
         """The lock every call into the agent holds (``raw_write`` holds it for a whole transfer)."""
         return self._state.lock
+
+    def on_streams(self, fns: Sequence[Callable[[], _T]]) -> list[Future[_T]]:
+        """Run ``fns[i]`` on stream thread ``i`` (at most ``streams``); only while holding :attr:`lock`.
+
+        Every future is done when this returns: the caller reads results and exceptions.
+        """
+        streams = self._state.streams
+        if len(fns) > len(streams):
+            raise kvwire.TransferError(f"{len(fns)} chunks for {len(streams)} NIXL stream threads (agent closed?)")
+        futures = [stream.submit(fn) for stream, fn in zip(streams, fns)]
+        for future in futures:
+            future.exception()  # waits; never raises (a task's exception is its future's)
+        return futures
 
     def raw(self) -> Any:
         """The ``nixl_agent`` itself; only while holding :attr:`lock`."""

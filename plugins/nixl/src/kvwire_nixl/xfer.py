@@ -3,7 +3,14 @@
 A :class:`kvwire.TransferPlan` becomes Nx3 ``int64`` tables ``(address,
 length, device)``, handed to NIXL as arrays (it copies them in one
 ``memcpy``): one table pair per (local segment, remote segment) group, so a
-plan over DRAM only, the usual case, is one NIXL transfer.
+plan over DRAM only, the usual case, is one NIXL transfer per stream.
+
+Streams: with ``streams`` > 1 (see :mod:`kvwire_nixl.options`) a write of at
+least 4 MiB per stream is cut into byte-balanced chunks of rows
+(:func:`chunks_of`), and stream thread ``i`` prepares and posts chunk ``i`` on
+its own UCX worker while the calling thread holds the agent's lock; over
+``cma`` the posting thread performs the copy, so the chunks are copied in
+parallel. :func:`raw_transfer` uses the very same chunks and threads.
 
 Waiting: the initiator's NIXL offers no completion wait, only
 ``check_xfer_state``, which also progresses the UCX worker (with no progress
@@ -16,10 +23,11 @@ spinning core; it ends at the deadline.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -30,12 +38,14 @@ from kvwire_nixl.endpoint import Region
 from kvwire_nixl.errors import translate
 from kvwire_nixl.memory import DRAM, VRAM, Segment
 
-__all__ = ["Group", "RegionIndex", "groups_of", "raw_transfer", "transfer"]
+__all__ = ["Group", "RegionIndex", "chunks_of", "groups_of", "raw_transfer", "transfer"]
 
 _SPIN_S: Final = 100e-6
 _YIELD_S: Final = 1e-3
 _MAX_SLEEP_S: Final = 200e-6
 _DONE, _PROC = "DONE", "PROC"
+_MIN_CHUNK: Final = 4 << 20  # bytes per stream below which a write is not split further
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -110,35 +120,103 @@ def groups_of(plan: kvwire.TransferPlan, local: RegionIndex, remote: RegionIndex
     return groups
 
 
+def chunks_of(groups: Sequence[Group], streams: int, min_chunk: int = _MIN_CHUNK) -> list[list[Group]]:
+    """The groups cut into at most ``streams`` byte-balanced chunks of rows, one list of groups per stream.
+
+    No chunk is smaller than ``min_chunk`` bytes (except the only one); every list is non-empty.
+    """
+    nbytes = sum(int(g.local[:, 1].sum()) for g in groups)
+    k = max(1, min(streams, nbytes // max(1, min_chunk)))
+    if k == 1:
+        return [list(groups)]
+    parts: list[list[Group]] = [[] for _ in range(k)]
+    for group in groups:
+        ends = np.cumsum(group.local[:, 1])
+        n = int(ends.shape[0])
+        targets = ends[-1] * np.arange(1, k, dtype=np.float64) / k
+        cuts = np.minimum(np.searchsorted(ends, targets, side="left") + 1, n)
+        bounds = [0, *np.maximum.accumulate(cuts).tolist(), n]
+        for i in range(k):
+            lo, hi = bounds[i], bounds[i + 1]
+            if hi > lo:
+                parts[i].append(
+                    Group(group.local[lo:hi], group.local_segment, group.remote[lo:hi], group.remote_segment)
+                )
+    return [part for part in parts if part]
+
+
 def _prepare(agent: Any, group: Group, peer: str) -> Any:
     local = agent.get_xfer_descs(group.local, group.local_segment)
     remote = agent.get_xfer_descs(group.remote, group.remote_segment)
     return agent.initialize_xfer("WRITE", local, remote, peer)
 
 
-def _post(agent: Any, handle: Any) -> str:
-    return str(agent.transfer(handle))
+def _run(nixl: NixlAgent, fns: Sequence[Callable[[], _T]]) -> list[Future[_T]]:
+    """Each ``fns[i]`` on stream ``i``, or here when the agent has one stream; holding the lock."""
+    if nixl.streams > 1:
+        return nixl.on_streams(fns)
+    future: Future[_T] = Future()
+    try:
+        future.set_result(fns[0]())
+    except BaseException as exc:  # re-raised by the caller, as from a stream
+        future.set_exception(exc)
+    return [future]
+
+
+def _prepare_and_post(
+    agent: Any, nixl: NixlAgent, part: Sequence[Group], peer_agent: str, session: str, handles: list[Any]
+) -> list[str]:
+    """Prepare and post one chunk (on the calling stream's worker); appends its handles, returns their states."""
+    with nixl.quiet:
+        try:
+            for group in part:
+                handles.append(_prepare(agent, group, peer_agent))
+        except Exception as exc:
+            raise translate(exc, "preparing a NIXL write", session, posted=False) from exc.with_traceback(None)
+        states = []
+        for handle in handles:
+            try:
+                states.append(str(agent.transfer(handle)))
+            except Exception as exc:
+                raise translate(exc, "posting a NIXL write", session, posted=True) from exc.with_traceback(None)
+        return states
 
 
 def transfer(nixl: NixlAgent, groups: Sequence[Group], peer_agent: str, session: str, deadline: float) -> None:
-    """Write every group to ``peer_agent``; a kvwire error on failure, TransferTimeoutError at ``deadline``."""
-    handles: list[Any] = []
-    pending: list[Any] = []
+    """Write every group to ``peer_agent``; a kvwire error on failure, TransferTimeoutError at ``deadline``.
+
+    The lock is held while the chunks are prepared and posted (over ``cma`` that is the copy), then
+    taken for each poll of what is still in flight.
+    """
+    parts = chunks_of(groups, nixl.streams)
+    handles: list[list[Any]] = [[] for _ in parts]
     try:
-        for group in groups:
-            prepare = partial(_prepare, group=group, peer=peer_agent)
-            handles.append(nixl.call("preparing a NIXL write", prepare, peer=session))
-        for handle in handles:
-            state: str = nixl.call("posting a NIXL write", partial(_post, handle=handle), peer=session, posted=True)
-            if state == _PROC:
-                pending.append(handle)
-            elif state != _DONE:
-                raise kvwire.TransferError(f"NIXL write to {peer_agent} failed when posted ({state})", peer=session)
+        with nixl.lock:
+            agent = nixl.raw()
+            futures = _run(
+                nixl,
+                [partial(_prepare_and_post, agent, nixl, p, peer_agent, session, h) for p, h in zip(parts, handles)],
+            )
+        errors = [e for f in futures if (e := f.exception()) is not None]
+        if errors:
+            first = errors[0]
+            if isinstance(first, kvwire.InvalidTransferError) and len(errors) < len(futures):
+                raise kvwire.TransferError(
+                    f"{first}; other chunks of this write were posted: the destination may be partly written",
+                    peer=session,
+                )
+            raise first
+        pending = []
+        for part_handles, future in zip(handles, futures):
+            for handle, state in zip(part_handles, future.result()):
+                if state == _PROC:
+                    pending.append(handle)
+                elif state != _DONE:
+                    raise kvwire.TransferError(f"NIXL write to {peer_agent} failed when posted ({state})", peer=session)
         _wait(nixl, pending, peer_agent, session, deadline)
     finally:
-        _release(nixl, handles)
+        _release(nixl, [h for part_handles in handles for h in part_handles])
         handles.clear()
-        pending.clear()
 
 
 def _wait(nixl: NixlAgent, pending: list[Any], peer_agent: str, session: str, deadline: float) -> None:
@@ -180,19 +258,29 @@ def _release(nixl: NixlAgent, handles: list[Any]) -> None:
                 nixl.leak(handle)
 
 
+def _raw_part(agent: Any, part: Sequence[Group], peer_agent: str) -> None:
+    """The bare NIXL calls for one chunk: prepare, post, poll without pause, release."""
+    handles = [_prepare(agent, g, peer_agent) for g in part]
+    try:
+        states = [agent.transfer(h) for h in handles]
+        for i, handle in enumerate(handles):
+            while states[i] == _PROC:
+                states[i] = agent.check_xfer_state(handle)
+        if any(s != _DONE for s in states):
+            raise kvwire.TransferError(f"NIXL write to {peer_agent} failed ({states})")
+    finally:
+        for handle in handles:
+            handle.release()
+
+
 def raw_transfer(nixl: NixlAgent, groups: Sequence[Group], peer_agent: str) -> None:
-    """The bare NIXL calls on the same tables: prepare, post, poll without pause, release; no deadline."""
+    """The bare NIXL calls on the same chunks and stream threads as :func:`transfer`; no deadline.
+
+    The lock is held throughout; each chunk is prepared, posted, polled without pause and released by
+    its stream (by this thread with one stream).
+    """
     with nixl.lock:
         agent = nixl.raw()
-        handles = [_prepare(agent, g, peer_agent) for g in groups]
-        try:
-            states = [agent.transfer(h) for h in handles]
-            for i, handle in enumerate(handles):
-                while states[i] == _PROC:
-                    states[i] = agent.check_xfer_state(handle)
-            if any(s != _DONE for s in states):
-                raise kvwire.TransferError(f"NIXL write to {peer_agent} failed ({states})")
-        finally:
-            for handle in handles:
-                handle.release()
-            handles.clear()
+        futures = _run(nixl, [partial(_raw_part, agent, part, peer_agent) for part in chunks_of(groups, nixl.streams)])
+    for future in futures:
+        future.result()
