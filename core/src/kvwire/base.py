@@ -93,7 +93,7 @@ class Transport(ABC):
         raise UnsupportedFeatureError(f"{type(self).__name__} carries no notifications")
 
     def poll_notifications(self) -> list[Notification]:
-        """The notifications that arrived since the last call, each once, in arrival order (optional)."""
+        """The notifications that arrived since the last call, each once, in arrival order per sender (optional)."""
         raise UnsupportedFeatureError(f"{type(self).__name__} carries no notifications")
 
     @abstractmethod

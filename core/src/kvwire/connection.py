@@ -324,7 +324,7 @@ class Connection:
         self._call("send_notification", session_id=session_id, message=message)
 
     def poll_notifications(self) -> list[Notification]:
-        """The notifications that arrived at this endpoint since the last call, each once, in arrival order."""
+        """The notifications that arrived here since the last call, each once, in arrival order per sender."""
         self._check_open()
         self._require(frozenset({"notifications"}), "poll_notifications")
         got = self._call("poll_notifications")

@@ -241,7 +241,7 @@ class BackendSpec:
     @hookspec(firstresult=True)
     def poll_notifications(self) -> list[Notification]:
         """The notifications that arrived at this endpoint since the last call, each once, in arrival order
-        (optional, feature ``notifications``; spec 1.5)."""
+        for each sender (optional, feature ``notifications``; spec 1.5)."""
         raise NotImplementedError
 
     @hookspec(firstresult=True)

@@ -33,6 +33,7 @@ import secrets
 import socket
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager, suppress
@@ -62,6 +63,10 @@ def agent_name() -> str:
     return f"kvwire-{host}-{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
 
 
+#: Notifications kept for the next poll at most (about 256 MiB at the largest message size).
+INBOX_LIMIT: Final = 65536
+
+
 class _State:
     """What the progress thread and the finalizer hold (never the NixlAgent, so that it can be collected)."""
 
@@ -76,6 +81,8 @@ class _State:
         self.leaked: list[Any] = []  # transfer handles NIXL refused to release (still in flight)
         self.failed_loads: set[str] = set()  # peer agents whose metadata failed to load
         self.streams: list[_Stream] = []  # the posting threads (streams > 1 only)
+        # notifications drained but not yet polled; the oldest are dropped past INBOX_LIMIT (a peer cannot flood it)
+        self.inbox: deque[tuple[str, bytes]] = deque(maxlen=INBOX_LIMIT)
 
 
 _Task = tuple[Callable[[], Any], "Future[Any]"]
@@ -109,6 +116,16 @@ class _Stream:
             self.thread.join(_JOIN_S)
 
 
+def _drain(state: _State, agent: Any) -> None:
+    """Move the notifications NIXL received into ``state.inbox`` (``get_new_notifs`` also progresses UCX).
+
+    NIXL hands each notification out once: whatever reads them keeps them for the next poll. A message
+    longer than kvwire's limit is not one kvwire sent, and is dropped.
+    """
+    for sender, messages in agent.get_new_notifs().items():
+        state.inbox.extend((str(sender), bytes(m)) for m in messages if len(m) <= kvwire.MAX_NOTIFICATION_BYTES)
+
+
 def _progress(state: _State, interval_s: float) -> None:
     """Progress the UCX worker (``get_new_notifs``) every ``interval_s`` until stopped."""
     while not state.stop.wait(interval_s):
@@ -117,7 +134,7 @@ def _progress(state: _State, interval_s: float) -> None:
             if agent is None:
                 return
             with suppress(Exception):  # a broken worker is reported by the next transfer
-                agent.get_new_notifs()
+                _drain(state, agent)
 
 
 def _teardown(state: _State) -> None:
@@ -297,6 +314,17 @@ class NixlAgent:
     def remotes(self) -> frozenset[str]:
         """Names of the peer agents whose metadata is loaded."""
         return frozenset(self._state.remotes)
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """``(sending agent, message)`` of every notification received since the last call, each once."""
+        with self.quiet, self._locked() as agent:
+            try:
+                _drain(self._state, agent)
+            except Exception as exc:
+                raise translate(exc, "reading NIXL notifications", None, posted=False) from exc.with_traceback(None)
+            out = list(self._state.inbox)
+            self._state.inbox.clear()
+        return out
 
     def leak(self, handle: Any) -> None:
         """Keep a handle NIXL would not release (in flight); released at close."""

@@ -24,6 +24,8 @@ class NixlBackend(kvwire.TransportBackend):
             "layer_ids",
             "device_kv_indices",
             "head_slicing",
+            "submit",
+            "notifications",
             "mha",
             "mla",
             "host_memory",

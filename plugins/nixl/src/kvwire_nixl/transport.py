@@ -3,13 +3,16 @@
 Registers each layout buffer with NIXL (``DRAM``, or ``VRAM`` for CUDA device
 memory), publishes the agent's metadata in its endpoint (see
 :mod:`kvwire_nixl.endpoint`), loads a peer's metadata in ``add_peer``, and
-writes a plan as NIXL descriptor tables (:mod:`kvwire_nixl.xfer`).
+writes a plan as NIXL descriptor tables (:mod:`kvwire_nixl.xfer`), blocking or
+submitted (:mod:`kvwire_nixl.submit`), and carries notifications with NIXL's own
+(``send_notif`` / ``get_new_notifs``).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +22,7 @@ from kvwire_nixl.agent import NixlAgent
 from kvwire_nixl.endpoint import Region, decode_endpoint, encode_endpoint
 from kvwire_nixl.memory import segment_of
 from kvwire_nixl.options import NixlOptions
+from kvwire_nixl.submit import Job, Submitter
 from kvwire_nixl.xfer import RegionIndex, groups_of, raw_transfer, transfer
 
 __all__ = ["NixlTransport"]
@@ -43,6 +47,7 @@ class NixlTransport(kvwire.Transport):
         self._local_index = RegionIndex.of(())
         self._endpoint: str | None = None
         self._peers: dict[str, _Peer] = {}
+        self._submitter: Submitter | None = None
 
     # -- local memory -----------------------------------------------------------
 
@@ -141,12 +146,41 @@ class NixlTransport(kvwire.Transport):
         groups = groups_of(plan, self._local_index, peer.regions)
         transfer(self.agent, groups, peer.agent, session_id, deadline)
 
+    def submit(self, session_id: str, plan: kvwire.TransferPlan, notification: bytes | None) -> Future[None]:
+        """Check and tabulate now; the submitter thread posts, polls and completes (see :mod:`kvwire_nixl.submit`)."""
+        peer = self._peer(session_id)
+        self.regions.check(plan.src, plan.length)
+        groups = groups_of(plan, self._local_index, peer.regions)
+        job = Job(session_id, peer.agent, groups, notification, self.config.timeout_s)
+        with self._lock:
+            if self._submitter is None:
+                if self.agent.closed:
+                    raise kvwire.TransferError("the NIXL transport is closed; nothing was sent", peer=session_id)
+                self._submitter = Submitter(self.agent, f"kvwire-nixl-submit-{self.agent.name[-8:]}")
+            submitter = self._submitter
+        return submitter.submit(job)
+
+    def notify(self, session_id: str, message: bytes) -> None:
+        """NIXL's ``send_notif`` to the peer's agent: it follows every write to it that has completed."""
+        peer = self._peer(session_id)
+        self.agent.call(
+            "sending a NIXL notification", lambda a: a.send_notif(peer.agent, message), peer=session_id, posted=True
+        )
+
+    def poll_notifications(self) -> list[kvwire.Notification]:
+        """NIXL's ``get_new_notifs``: per sending agent in arrival order (NIXL groups them by sender)."""
+        return [kvwire.Notification(sender, message) for sender, message in self.agent.notifications()]
+
     def raw_write(self, session_id: str, plan: kvwire.TransferPlan) -> None:
         """The bare NIXL calls on the same descriptor tables (the ``raw_write`` extension): no checks, no deadline."""
         peer = self._peers[session_id]
         raw_transfer(self.agent, groups_of(plan, self._local_index, peer.regions), peer.agent)
 
     def close(self) -> None:
+        with self._lock:
+            submitter, self._submitter = self._submitter, None
+        if submitter is not None:
+            submitter.close()
         with self._lock:
             self._peers.clear()
             self._local.clear()

@@ -38,7 +38,19 @@ from kvwire_nixl.endpoint import Region
 from kvwire_nixl.errors import translate
 from kvwire_nixl.memory import DRAM, VRAM, Segment
 
-__all__ = ["Group", "RegionIndex", "chunks_of", "groups_of", "raw_transfer", "transfer"]
+__all__ = [
+    "Group",
+    "RegionIndex",
+    "chunks_of",
+    "groups_of",
+    "pause",
+    "poll",
+    "post",
+    "raw_transfer",
+    "release",
+    "timed_out",
+    "transfer",
+]
 
 _SPIN_S: Final = 100e-6
 _YIELD_S: Final = 1e-3
@@ -182,14 +194,18 @@ def _prepare_and_post(
         return states
 
 
-def transfer(nixl: NixlAgent, groups: Sequence[Group], peer_agent: str, session: str, deadline: float) -> None:
-    """Write every group to ``peer_agent``; a kvwire error on failure, TransferTimeoutError at ``deadline``.
+def post(nixl: NixlAgent, groups: Sequence[Group], peer_agent: str, session: str) -> tuple[list[Any], list[Any]]:
+    """Prepare and post every group (in chunks, on the streams); ``(all handles, those still in flight)``.
 
-    The lock is held while the chunks are prepared and posted (over ``cma`` that is the copy), then
-    taken for each poll of what is still in flight.
+    The lock is held while the chunks are prepared and posted (over ``cma`` that is the copy). On an
+    error the handles already made are released before it is raised.
     """
     parts = chunks_of(groups, nixl.streams)
     handles: list[list[Any]] = [[] for _ in parts]
+
+    def made() -> list[Any]:
+        return [h for part_handles in handles for h in part_handles]
+
     try:
         with nixl.lock:
             agent = nixl.raw()
@@ -213,42 +229,63 @@ def transfer(nixl: NixlAgent, groups: Sequence[Group], peer_agent: str, session:
                     pending.append(handle)
                 elif state != _DONE:
                     raise kvwire.TransferError(f"NIXL write to {peer_agent} failed when posted ({state})", peer=session)
-        _wait(nixl, pending, peer_agent, session, deadline)
+    except BaseException:
+        release(nixl, made())
+        raise
+    return made(), pending
+
+
+def poll(nixl: NixlAgent, pending: Sequence[Any], peer_agent: str, session: str) -> list[Any]:
+    """One look at ``pending`` (which also progresses the worker); the handles still in flight."""
+    with nixl.quiet, nixl.lock:
+        agent = nixl.raw()
+        try:
+            states = [agent.check_xfer_state(h) for h in pending]
+        except Exception as exc:
+            raise translate(exc, "a NIXL write", session, posted=True) from exc.with_traceback(None)
+    if any(s not in (_DONE, _PROC) for s in states):
+        raise kvwire.TransferError(f"NIXL write to {peer_agent} failed ({states})", peer=session)
+    return [h for h, s in zip(pending, states) if s == _PROC]
+
+
+def timed_out(peer_agent: str, session: str, waited: float) -> kvwire.TransferTimeoutError:
+    return kvwire.TransferTimeoutError(
+        f"NIXL write to {peer_agent} did not complete within the timeout "
+        f"({waited:.2f} s waited); the destination may be partly written",
+        peer=session,
+    )
+
+
+def pause(waited: float) -> None:
+    """Between two polls, after ``waited`` seconds of polling: spin at first, then yield, then sleep up to 200 µs."""
+    if waited >= _YIELD_S:
+        time.sleep(min(_MAX_SLEEP_S, waited / 20))
+    elif waited >= _SPIN_S:
+        time.sleep(0)
+
+
+def transfer(nixl: NixlAgent, groups: Sequence[Group], peer_agent: str, session: str, deadline: float) -> None:
+    """Write every group to ``peer_agent``; a kvwire error on failure, TransferTimeoutError at ``deadline``.
+
+    The lock is held while the chunks are prepared and posted (over ``cma`` that is the copy), then
+    taken for each poll of what is still in flight.
+    """
+    handles, pending = post(nixl, groups, peer_agent, session)
+    try:
+        start = time.monotonic()
+        while pending:
+            pending = poll(nixl, pending, peer_agent, session)
+            if not pending:
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                raise timed_out(peer_agent, session, now - start)
+            pause(now - start)
     finally:
-        _release(nixl, [h for part_handles in handles for h in part_handles])
-        handles.clear()
+        release(nixl, handles)
 
 
-def _wait(nixl: NixlAgent, pending: list[Any], peer_agent: str, session: str, deadline: float) -> None:
-    start = time.monotonic()
-    lock = nixl.lock
-    while pending:
-        with nixl.quiet, lock:
-            agent = nixl.raw()
-            try:
-                states = [agent.check_xfer_state(h) for h in pending]
-            except Exception as exc:
-                raise translate(exc, "a NIXL write", session, posted=True) from exc.with_traceback(None)
-        if any(s not in (_DONE, _PROC) for s in states):
-            raise kvwire.TransferError(f"NIXL write to {peer_agent} failed ({states})", peer=session)
-        pending[:] = [h for h, s in zip(pending, states) if s == _PROC]
-        if not pending:
-            return
-        now = time.monotonic()
-        if now >= deadline:
-            raise kvwire.TransferTimeoutError(
-                f"NIXL write to {peer_agent} did not complete within the timeout "
-                f"({now - start:.2f} s waited); the destination may be partly written",
-                peer=session,
-            )
-        waited = now - start
-        if waited >= _YIELD_S:
-            time.sleep(min(_MAX_SLEEP_S, waited / 20))
-        elif waited >= _SPIN_S:
-            time.sleep(0)
-
-
-def _release(nixl: NixlAgent, handles: list[Any]) -> None:
+def release(nixl: NixlAgent, handles: Sequence[Any]) -> None:
     """Release every handle; one NIXL refuses (still in flight) is kept and released at close."""
     with nixl.quiet, nixl.lock:
         for handle in handles:

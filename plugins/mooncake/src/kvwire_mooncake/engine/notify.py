@@ -18,6 +18,7 @@ import base64
 import binascii
 from typing import Any, Final
 
+from kvwire import MAX_NOTIFICATION_BYTES
 from kvwire.errors import UnsupportedFeatureError
 
 __all__ = ["PREFIX", "decode", "encode", "received", "send"]
@@ -69,6 +70,6 @@ def received(engine: Any) -> list[tuple[str, bytes]]:
         except UnicodeDecodeError:  # not kvwire's: kvwire sends ASCII
             continue
         message = decode(text)
-        if message is not None:
+        if message is not None and len(message) <= MAX_NOTIFICATION_BYTES:  # longer: not one kvwire sent
             out.append((name, message))
     return out
