@@ -67,3 +67,20 @@ def notifications_over_many_rounds(backend: str) -> None:
             for _, message, seen in arrivals:  # other rounds overwrite other pages only
                 prefill, pages = requests[messages.index(message)]
                 assert seen == pair.expected_page_digest(prefill, pages), f"{message!r} arrived before its data"
+
+
+def notifications_in_send_order(backend: str) -> None:
+    """Sixty standalone notifications of every size class from one sender arrive once each, in send order."""
+    harness = ContractHarness(backend, two_process=True)
+    spec = LayoutSpec("mha", (0,), 16, 4096)
+    with harness.pair(spec, spec, 17) as pair:
+        sizes = [0, 1, 255, 4096]
+        messages = [bytes([k % 256]) * sizes[k % 4] + k.to_bytes(2, "big") for k in range(60)]
+        messages = [m[-kvwire.MAX_NOTIFICATION_BYTES :] for m in messages]  # the largest stay within the limit
+        pair.receiver.start_watch({})
+        for message in messages:
+            pair.connection.send_notification(pair.receiver.endpoint, message)
+        arrivals = pair.receiver.collect(len(messages), 30.0)
+        assert [m for _, m, _ in arrivals] == messages
+        pair.receiver.start_watch({})
+        assert pair.receiver.collect(1, 0.2) == []

@@ -20,6 +20,10 @@ def test_notifications_never_arrive_before_their_data_over_many_rounds() -> None
     submit_scenarios.notifications_over_many_rounds("mooncake")
 
 
+def test_notifications_arrive_once_in_send_order() -> None:
+    submit_scenarios.notifications_in_send_order("mooncake")
+
+
 def test_bench_inflight_requests_confirms_each_request_by_notification() -> None:
     proc = subprocess.run(
         [

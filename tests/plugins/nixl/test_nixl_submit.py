@@ -70,3 +70,7 @@ def test_close_with_submissions_queued_and_in_flight_leaves_none_pending() -> No
         assert all(f.done() for f in futures)
         for f in futures:
             assert f.cancelled() or f.exception() is None or isinstance(f.exception(), kvwire.TransferError)
+
+
+def test_notifications_arrive_once_in_send_order() -> None:
+    submit_scenarios.notifications_in_send_order("nixl")
