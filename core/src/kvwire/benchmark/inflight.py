@@ -1,10 +1,11 @@
 """``kvwire bench --inflight-requests N``: N requests in flight per peer against one at a time, in one run.
 
 Both phases send the same kind of requests (fragmented pages, fresh random
-placement) in waves of N: the sequential phase with blocking
-``send_kvcache`` calls one after another, then ``send_notification``; the
-in-flight phase submits all N at once (``submit_kvcache`` with the
-notification attached) and waits for every future. Each request writes into
+placement) in waves of N, wave by wave side by side (their order alternating
+per wave): the sequential phase with blocking ``send_kvcache`` calls one after
+another, then ``send_notification``; the in-flight phase submits all N at
+once (``submit_kvcache`` with the notification attached) and waits for every
+future. Each request writes into
 its own slot of the decode pool (slots are disjoint, with a free page at each
 end, so one request's guard pages are never another's targets). After a
 wave, the decode side confirms each request by its notification and only then
@@ -24,7 +25,7 @@ import argparse
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,23 @@ def check_inflight(args: argparse.Namespace, capabilities: frozenset[str]) -> No
 
 
 @dataclass
+class _Tally:
+    """One phase's sums over its waves."""
+
+    seconds: float = 0.0
+    bytes: int = 0
+    verified: bool = True
+    guards: bool = True
+    submit_s: list[float] = field(default_factory=list)
+    after_done: list[float] = field(default_factory=list)
+    descriptors: list[int] = field(default_factory=lambda: [0, 0])
+
+    @property
+    def gbps(self) -> float:
+        return round(self.bytes / self.seconds / 1e9, 3) if self.seconds else 0.0
+
+
+@dataclass
 class _Request:
     index: int
     slot: int
@@ -97,7 +115,6 @@ def measure_inflight(
     conn.send_kvcache(endpoint, one, ptrs, one)  # warm-up: handshake
     decode.request({"cmd": "watch"})
     local_clock = args.peer is None
-    phases: dict[str, dict[str, Any]] = {}
     count = 0
 
     def new_request(slot: int) -> _Request:
@@ -111,55 +128,44 @@ def measure_inflight(
         shape = (plan.descriptors_before, len(plan))
         return _Request(count, slot, src, dst, pool.digest(src.astype(np.int64)), note, shape)
 
-    for phase in ("sequential", "inflight"):
-        seconds, total, ok, guards = 0.0, 0, True, True
-        submit_s: list[float] = []
-        after_done: list[float] = []
-        descriptors = [0, 0]
-        for first in range(0, args.requests, n):
+    tally = {phase: _Tally() for phase in ("sequential", "inflight")}
+    for w, first in enumerate(range(0, args.requests, n)):
+        # Both phases per wave, their order alternating: drift in the machine's load falls on both alike.
+        for phase in ("sequential", "inflight") if w % 2 == 0 else ("inflight", "sequential"):
+            t = tally[phase]
             wave = [new_request(k) for k in range(min(n, args.requests - first))]
             for r in wave:
                 decode.request({"cmd": "scramble", **r.pages()})
-                descriptors[0] += r.descriptors[0]
-                descriptors[1] += r.descriptors[1]
+                t.descriptors[0] += r.descriptors[0]
+                t.descriptors[1] += r.descriptors[1]
             done_at: dict[int, float] = {}
             start = time.perf_counter()
             if phase == "sequential":
                 for r in wave:
-                    total += conn.send_kvcache(endpoint, r.src, ptrs, r.dst)
+                    t.bytes += conn.send_kvcache(endpoint, r.src, ptrs, r.dst)
                     done_at[r.index] = time.monotonic()
                     conn.send_notification(endpoint, r.note)
-                seconds += time.perf_counter() - start
+                t.seconds += time.perf_counter() - start
             else:
                 futures: list[Future[int]] = []
                 for r in wave:
                     t0 = time.perf_counter()
                     future = conn.submit_kvcache(endpoint, r.src, ptrs, r.dst, notification=r.note)
-                    submit_s.append(time.perf_counter() - t0)
+                    t.submit_s.append(time.perf_counter() - t0)
                     future.add_done_callback(_stamp(done_at, r.index))
                     futures.append(future)
                 wait(futures)
-                seconds += time.perf_counter() - start
-                total += sum(f.result() for f in futures)
+                t.seconds += time.perf_counter() - start
+                t.bytes += sum(f.result() for f in futures)
             for r in wave:
                 answer = decode.request({"cmd": "confirm", "note": r.note.hex(), "digest": r.digest, **r.pages()})
-                ok = ok and answer.get("ok") is True
-                guards = guards and answer.get("guards_ok") is True
+                t.verified = t.verified and answer.get("ok") is True
+                t.guards = t.guards and answer.get("guards_ok") is True
                 seen = answer.get("seen")
                 if local_clock and isinstance(seen, float) and r.index in done_at:
-                    after_done.append(seen - done_at[r.index])
-                progress("verified" if ok and guards else "MISMATCH")
-        phases[phase] = {
-            "gbps": round(total / seconds / 1e9, 3) if seconds else 0.0,
-            "seconds": seconds,
-            "bytes": total,
-            "verified": ok,
-            "guards": guards,
-            "submit_s": submit_s,
-            "after_done": after_done,
-            "descriptors": tuple(descriptors),
-        }
-    return _result(args, phases)
+                    t.after_done.append(seen - done_at[r.index])
+                progress("verified" if t.verified and t.guards else "MISMATCH")
+    return _result(args, tally)
 
 
 def _stamp(done_at: dict[int, float], index: int) -> Callable[[Future[int]], None]:
@@ -175,31 +181,30 @@ def _pct(values: list[float], q: float, scale: float) -> float | None:
     return round(float(np.percentile(np.array(values), q)) * scale, 1) if values else None
 
 
-def _result(args: argparse.Namespace, phases: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _result(args: argparse.Namespace, phases: dict[str, _Tally]) -> dict[str, Any]:
     seq, inf = phases["sequential"], phases["inflight"]
-    requests = args.requests
     result = summary(
-        requests,
+        args.requests,
         args.tokens,
-        inf["bytes"],
-        [inf["seconds"]],
-        verified=seq["verified"] and inf["verified"],
-        guards=seq["guards"] and inf["guards"],
-        descriptors=inf["descriptors"],
+        inf.bytes,
+        [inf.seconds],
+        verified=seq.verified and inf.verified,
+        guards=seq.guards and inf.guards,
+        descriptors=(inf.descriptors[0], inf.descriptors[1]),
     )
     result.pop("p50_ms")
     result.pop("p99_ms")
     result.update(
         inflight_requests=args.inflight_requests,
-        sequential_gbps=seq["gbps"],
-        inflight_gbps=inf["gbps"],
-        inflight_ratio=round(inf["gbps"] / seq["gbps"], 3) if seq["gbps"] else None,
-        submit_p50_us=_pct(inf["submit_s"], 50, 1e6),
-        submit_p99_us=_pct(inf["submit_s"], 99, 1e6),
-        notify_p50_us=_pct(inf["after_done"], 50, 1e6),
-        notify_p99_us=_pct(inf["after_done"], 99, 1e6),
-        sequential_notify_p50_us=_pct(seq["after_done"], 50, 1e6),
-        sequential_notify_p99_us=_pct(seq["after_done"], 99, 1e6),
+        sequential_gbps=seq.gbps,
+        inflight_gbps=inf.gbps,
+        inflight_ratio=round(inf.gbps / seq.gbps, 3) if seq.gbps else None,
+        submit_p50_us=_pct(inf.submit_s, 50, 1e6),
+        submit_p99_us=_pct(inf.submit_s, 99, 1e6),
+        notify_p50_us=_pct(inf.after_done, 50, 1e6),
+        notify_p99_us=_pct(inf.after_done, 99, 1e6),
+        sequential_notify_p50_us=_pct(seq.after_done, 50, 1e6),
+        sequential_notify_p99_us=_pct(seq.after_done, 99, 1e6),
     )
     return result
 

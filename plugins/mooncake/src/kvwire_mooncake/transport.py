@@ -39,7 +39,7 @@ class MooncakeTransport(Transport):
         self.engine.write(session_id, plan.src, plan.dst, plan.length)  # checks local sources first
 
     def submit(self, session_id: str, plan: TransferPlan, notification: bytes | None) -> Future[None]:
-        """The write (then the notification) on the engine's worker threads (see ``MooncakeEngine.submit``)."""
+        """The write (then the notification), queued behind earlier ones to the peer (``MooncakeEngine.submit``)."""
         engine = self.engine
 
         def job() -> None:
@@ -47,7 +47,7 @@ class MooncakeTransport(Transport):
             if notification is not None:
                 engine.notify(session_id, notification)
 
-        return engine.submit(job)
+        return engine.submit(session_id, job)
 
     def notify(self, session_id: str, message: bytes) -> None:
         self.engine.notify(session_id, message)

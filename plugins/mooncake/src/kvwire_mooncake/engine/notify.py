@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import base64
 import binascii
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any, Final
 
 from kvwire import MAX_NOTIFICATION_BYTES
-from kvwire.errors import UnsupportedFeatureError
+from kvwire.errors import TransferError, TransferTimeoutError, UnsupportedFeatureError
+from kvwire_mooncake.engine.slots import Slots
+from kvwire_mooncake.engine.workers import Workers
 
-__all__ = ["PREFIX", "decode", "encode", "received", "send"]
+__all__ = ["PREFIX", "decode", "deliver", "encode", "received", "send"]
 
 #: Marks kvwire's messages among whatever else reaches the engine's notify queue.
 PREFIX: Final = "kvwire1:"
@@ -56,6 +59,33 @@ def send(engine: Any, session_id: str, sender: str, message: bytes, src: int) ->
     binding = _binding()
     note = binding.TransferNotify(sender, encode(message))
     return int(engine.batch_transfer_sync(session_id, [src], [src], [0], binding.TransferOpcode.Write, note))
+
+
+def deliver(
+    slots: Slots, workers: Workers, session_id: str, sender: str, message: bytes, src: int, timeout_s: float
+) -> None:
+    """:func:`send` through the current sending engine, in a worker, within ``timeout_s``; kvwire errors."""
+    with slots.lock:
+        slot = slots.pin()
+
+    def call() -> int:
+        try:
+            engine = slot.engine
+            return -1 if engine is None else send(engine, session_id, sender, message, src)
+        finally:
+            slots.release(slot)
+
+    try:
+        rc = workers.submit(call).result(timeout=timeout_s)
+    except RuntimeError:
+        slots.release(slot)
+        raise TransferError("MooncakeEngine is closed", peer=session_id) from None
+    except FutureTimeoutError:
+        raise TransferTimeoutError(
+            f"the notification to {session_id} was not sent within {timeout_s:g} s", peer=session_id
+        ) from None
+    if rc != 0:
+        raise TransferError(f"Mooncake could not send the notification to {session_id} (rc={rc})", code=rc)
 
 
 def received(engine: Any) -> list[tuple[str, bytes]]:

@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeoutError
 from contextlib import contextmanager
 from typing import Any, Final
 
@@ -24,7 +23,7 @@ from numpy.typing import NDArray
 
 from kvwire import RegionSet
 from kvwire.config import BackendConfig
-from kvwire.errors import InvalidTransferError, TransferError, TransferTimeoutError
+from kvwire.errors import InvalidTransferError, TransferError
 from kvwire_mooncake.engine import failures, notify
 from kvwire_mooncake.engine.arrays import INT64_MAX, as_addresses, require_positive
 from kvwire_mooncake.engine.binding import (
@@ -37,6 +36,7 @@ from kvwire_mooncake.engine.binding import (
 from kvwire_mooncake.engine.confine import Confinement
 from kvwire_mooncake.engine.dispatch import Chunk, Dispatcher, Lists, Outcome, Peer
 from kvwire_mooncake.engine.environment import prepare_environment
+from kvwire_mooncake.engine.queues import PeerQueues
 from kvwire_mooncake.engine.slots import Slot, Slots
 from kvwire_mooncake.engine.workers import Workers
 from kvwire_mooncake.options import MooncakeOptions
@@ -97,6 +97,7 @@ class MooncakeEngine:
         port = int(engine.get_rpc_port())
         self._endpoint = p2p_endpoint(config.host, port) if self._p2p else config.host
         self._workers = Workers(f"kvwire-mooncake-{port}")
+        self._queues = PeerQueues(self._workers)
         self._dispatch = Dispatcher(
             self._cond,
             self._slots,
@@ -228,6 +229,7 @@ class MooncakeEngine:
             if self._dispatch.closed:
                 return
             self._dispatch.close()  # writers waiting for budget give up now
+            self._queues.close()  # submitted writes not started fail now
             try:
                 self.unregister_all()
             finally:
@@ -329,50 +331,16 @@ class MooncakeEngine:
 
     # ------------------------------------------------------------------ non-blocking use and notifications
 
-    def submit(self, job: Callable[[], None]) -> Future[None]:
-        """Run ``job`` (a :meth:`write`, then a :meth:`notify`) on the engine's own worker threads.
-
-        Mooncake's non-blocking calls cannot carry a send safely
-        (``get_batch_transfer_status`` blocks and crashes the process when asked
-        twice; ``transfer_check_status`` sees one descriptor), so a submitted
-        write runs on the daemon workers the engine already keeps for deadlines,
-        one started per job when none is idle. Cancelling the future before a
-        worker picks it up means the write never starts.
-        """
+    def submit(self, session_id: str, job: Callable[[], None]) -> Future[None]:
+        """Queue ``job`` (a :meth:`write`, then a :meth:`notify`) behind the jobs to the peer (:mod:`.queues`)."""
         self._check_open()
-        try:
-            return self._workers.submit(job)
-        except RuntimeError:
-            raise TransferError("MooncakeEngine is closed") from None
+        return self._queues.submit(session_id, job)
 
     def notify(self, session_id: str, message: bytes) -> None:
-        """Deliver ``message`` to ``session_id`` with Mooncake's notify (see :mod:`.notify`), within ``timeout_s``.
-
-        It reaches the peer after the bytes of every write to it that has returned.
-        """
+        """``message`` to ``session_id`` after every write to it that returned (:mod:`.notify`), within timeout_s."""
         self._check_open()
-        regions = self._regions.items()
-        src = regions[0][0] if regions else 0
-        with self._lock:
-            slot = self._slots.pin()
-
-        def call() -> int:
-            try:
-                engine = slot.engine
-                return -1 if engine is None else notify.send(engine, session_id, self._endpoint, message, src)
-            finally:
-                self._slots.release(slot)
-
-        try:
-            rc = self._workers.submit(call).result(timeout=self.config.timeout_s)
-        except RuntimeError:
-            raise TransferError("MooncakeEngine is closed", peer=session_id) from None
-        except FutureTimeoutError:
-            raise TransferTimeoutError(
-                f"the notification to {session_id} was not sent within {self.config.timeout_s:g} s", peer=session_id
-            ) from None
-        if rc != 0:
-            raise TransferError(f"Mooncake could not send the notification to {session_id} (rc={rc})", code=rc)
+        src = next((base for base, _ in self._regions.items()), 0)  # a zero-length write: any address
+        notify.deliver(self._slots, self._workers, session_id, self._endpoint, message, src, self.config.timeout_s)
 
     def notifications(self) -> list[tuple[str, bytes]]:
         """``(sender endpoint, message)`` of each kvwire notification received since the last call."""

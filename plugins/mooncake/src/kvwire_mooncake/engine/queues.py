@@ -1,0 +1,85 @@
+"""Submitted writes, one queue per peer, drained in order on the engine's worker threads.
+
+Mooncake's non-blocking calls cannot carry a send safely
+(``get_batch_transfer_status`` blocks until done and crashes the process when
+asked twice about an id, or about id 0, which ``batch_transfer_async_write``
+returns for an unreachable peer; ``transfer_check_status`` sees one descriptor
+of a batch). So a submitted write is a job on the daemon workers the engine
+already keeps for deadlines. Jobs to one peer run one after another, the next
+starting as soon as the previous returns: one write already keeps up to
+``max_inflight_per_peer`` descriptors in flight to its peer, so running two at
+once would only split that budget and the cores between them; jobs to
+different peers run side by side. A job still queued can be cancelled (it
+never starts); one that started runs to its end.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from kvwire.errors import TransferError
+from kvwire_mooncake.engine.workers import Workers
+
+__all__ = ["PeerQueues"]
+
+_Job = tuple[Callable[[], None], "Future[None]"]
+
+
+class PeerQueues:
+    """A FIFO of jobs per peer; at most one worker drains each."""
+
+    def __init__(self, workers: Workers) -> None:
+        self._workers = workers
+        self._lock = threading.Lock()
+        self._queues: dict[str, deque[_Job]] = {}
+        self._closed = False
+
+    def submit(self, session_id: str, job: Callable[[], None]) -> Future[None]:
+        future: Future[None] = Future()
+        with self._lock:
+            if self._closed:
+                raise TransferError("MooncakeEngine is closed; nothing was sent", peer=session_id)
+            queue = self._queues.get(session_id)
+            start = queue is None
+            if queue is None:
+                queue = self._queues[session_id] = deque()
+            queue.append((job, future))
+        if start:
+            try:
+                self._workers.submit(lambda: self._drain(session_id))
+            except RuntimeError:
+                self.close()
+        return future
+
+    def _drain(self, session_id: str) -> None:
+        while True:
+            with self._lock:
+                queue = self._queues.get(session_id)
+                if not queue:
+                    self._queues.pop(session_id, None)
+                    return
+                job, future = queue.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled while queued: never started
+            try:
+                job()
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
+    def close(self) -> None:
+        """Fail every job not yet started (typed); running ones end by their own deadline."""
+        with self._lock:
+            self._closed = True
+            queued = [item for queue in self._queues.values() for item in queue]
+            for queue in self._queues.values():
+                queue.clear()
+        for _, future in queued:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(
+                    TransferError("MooncakeEngine was closed before this write started; nothing was sent")
+                )
