@@ -84,3 +84,19 @@ def notifications_in_send_order(backend: str) -> None:
         assert [m for _, m, _ in arrivals] == messages
         pair.receiver.start_watch({})
         assert pair.receiver.collect(1, 0.2) == []
+
+
+def close_with_submissions_in_flight(backend: str) -> None:
+    """A 64 MiB write and 25 small ones submitted, then close(): every future is done when it returns, each
+    with its bytes, cancelled, or a typed error; nothing is left pending."""
+    spec = LayoutSpec("mha", (0, 1, 2, 3), 256, 65536)
+    harness = ContractHarness(backend, two_process=True)
+    with harness.pair(spec, spec, 23) as pair:
+        rng = np.random.default_rng(23)
+        futures = [pair.submit(rng.permutation(256)[:128].astype(np.int32), np.arange(128, dtype=np.int32))]
+        futures += [pair.submit(*(np.arange(k, k + 8, dtype=np.int32),) * 2) for k in range(0, 200, 8)]
+        pair.connection.close()
+        assert all(f.done() for f in futures)
+        for future in futures:
+            exc = None if future.cancelled() else future.exception()
+            assert exc is None or isinstance(exc, kvwire.TransferError), exc

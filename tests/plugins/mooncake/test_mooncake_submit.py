@@ -24,6 +24,10 @@ def test_notifications_arrive_once_in_send_order() -> None:
     submit_scenarios.notifications_in_send_order("mooncake")
 
 
+def test_close_with_submissions_queued_and_in_flight_leaves_none_pending() -> None:
+    submit_scenarios.close_with_submissions_in_flight("mooncake")
+
+
 def test_bench_inflight_requests_confirms_each_request_by_notification() -> None:
     proc = subprocess.run(
         [

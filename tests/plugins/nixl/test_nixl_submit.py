@@ -57,19 +57,7 @@ def test_a_frozen_peer_times_out_its_submission_while_another_peer_is_served() -
 
 
 def test_close_with_submissions_queued_and_in_flight_leaves_none_pending() -> None:
-    spec = LayoutSpec("mha", (0, 1, 2, 3), 256, 65536)
-    harness = ContractHarness("nixl", two_process=True)
-    with harness.pair(spec, spec, 23) as pair:
-        rng = np.random.default_rng(23)
-        futures = [pair.submit(rng.permutation(256)[:128].astype(np.int32), np.arange(128, dtype=np.int32))]
-        futures += [
-            pair.submit(np.arange(k, k + 8, dtype=np.int32), np.arange(k, k + 8, dtype=np.int32))
-            for k in range(0, 200, 8)
-        ]
-        pair.connection.close()
-        assert all(f.done() for f in futures)
-        for f in futures:
-            assert f.cancelled() or f.exception() is None or isinstance(f.exception(), kvwire.TransferError)
+    submit_scenarios.close_with_submissions_in_flight("nixl")
 
 
 def test_notifications_arrive_once_in_send_order() -> None:
