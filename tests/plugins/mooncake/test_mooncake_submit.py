@@ -56,7 +56,7 @@ def test_bench_inflight_requests_confirms_each_request_by_notification() -> None
     result = json.loads(proc.stdout)
     assert (result["verified"], result["guards_unchanged"], result["inflight_requests"]) == (True, True, 2)
     assert result["bytes"] == 5 * 64 * 16384 * 28 * 2
-    assert result["sequential_gbps"] > 0 and result["inflight_gbps"] > 0
+    assert result["sequential_gbps"] > 0 and result["inflight_gbps"] > 0 and result["inflight_ratio_paired"] > 0
     assert result["submit_p50_us"] > 0 and result["notify_p50_us"] is not None
 
 
