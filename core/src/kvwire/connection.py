@@ -271,6 +271,7 @@ class Connection:
         if notification is not None:
             notification = check_message(notification)
             self._require(frozenset({"notifications"}), "notification")
+        self._submissions.require_open()
         if "submit" in self.capabilities:
             returned = self._call("submit_kvcache", session_id=session_id, request=request, notification=notification)
             if not isinstance(returned, Future):

@@ -35,6 +35,11 @@ class Submissions:
         self._pool: ThreadPoolExecutor | None = None
         self.closing = False
 
+    def require_open(self) -> None:
+        """BackendError once ``close()`` has begun: checked before a transfer is handed to anyone."""
+        if self.closing:
+            raise BackendError(f"connection to backend {self._name!r} is closing; nothing was sent")
+
     def track(self, future: TransferFuture) -> TransferFuture:
         """Keep ``future`` in the in-flight set until it completes."""
         with self._lock:
