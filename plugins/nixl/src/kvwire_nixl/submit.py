@@ -4,8 +4,9 @@ NIXL's asynchrony is post, then poll: ``transfer()`` starts a write and
 ``check_xfer_state`` reports (and, with no progress thread, drives) its
 completion. Over UCX ``cma`` the post itself performs the copy, so
 ``submit_kvcache`` must not post on the caller's thread. The submitter thread
-takes submitted writes in order, posts each (on the streams, like a blocking
-write), keeps the handles of every posted one, polls them all between posts,
+takes submitted writes in order and posts them: one alone across the streams,
+like a blocking write; several queued side by side, each whole on its own
+stream. It keeps the handles of every posted one, polls them all between posts,
 and completes each future when its handles are done: after sending its
 notification (NIXL's ``send_notif``, so it follows the data), or with the
 typed error, or with :class:`kvwire.TransferTimeoutError` at its deadline.
@@ -23,7 +24,7 @@ from typing import Any
 
 import kvwire
 from kvwire_nixl.agent import NixlAgent
-from kvwire_nixl.xfer import Group, poll, post, release, timed_out
+from kvwire_nixl.xfer import Group, poll, post, post_side_by_side, release, timed_out
 
 __all__ = ["Job", "Submitter"]
 
@@ -72,9 +73,9 @@ class Submitter:
                     self._cond.wait()
                 if self._closed:
                     return
-                job = self._queue.popleft() if self._queue else None
-            if job is not None:
-                self._start(job)
+                take = min(len(self._queue), self._nixl.streams)  # several queued: side by side
+                jobs = [self._queue.popleft() for _ in range(take)]
+            self._start(jobs)
             self._poll()
             if self._inflight:
                 with self._cond:
@@ -82,16 +83,32 @@ class Submitter:
                         waited = time.monotonic() - min(j.started for j in self._inflight)
                         self._cond.wait(timeout=min(_IDLE_POLL_S, waited / 20))
 
-    def _start(self, job: Job) -> None:
-        if not job.future.set_running_or_notify_cancel():
-            return  # cancelled before it started: never posted
-        try:
-            job.handles, job.pending = post(self._nixl, job.groups, job.peer_agent, job.session)
-        except BaseException as exc:
-            job.future.set_exception(exc)
+    def _start(self, jobs: list[Job]) -> None:
+        """Post one queued write across the streams, or several side by side, one per stream."""
+        jobs = [job for job in jobs if job.future.set_running_or_notify_cancel()]  # cancelled: never posted
+        if not jobs:
             return
-        job.started = time.monotonic()
-        self._inflight.append(job)
+        if len(jobs) == 1:
+            job = jobs[0]
+            try:
+                outcomes: list[tuple[list[Any], list[Any]] | BaseException] = [
+                    post(self._nixl, job.groups, job.peer_agent, job.session)
+                ]
+            except BaseException as exc:
+                outcomes = [exc]
+        else:
+            try:
+                outcomes = post_side_by_side(self._nixl, [(j.groups, j.peer_agent, j.session) for j in jobs])
+            except BaseException as exc:
+                outcomes = [exc] * len(jobs)
+        now = time.monotonic()
+        for job, outcome in zip(jobs, outcomes):
+            if isinstance(outcome, BaseException):
+                job.future.set_exception(outcome)
+                continue
+            job.handles, job.pending = outcome
+            job.started = now
+            self._inflight.append(job)
 
     def _poll(self) -> None:
         for job in list(self._inflight):

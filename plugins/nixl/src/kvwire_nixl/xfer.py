@@ -46,6 +46,7 @@ __all__ = [
     "pause",
     "poll",
     "post",
+    "post_side_by_side",
     "raw_transfer",
     "release",
     "timed_out",
@@ -233,6 +234,34 @@ def post(nixl: NixlAgent, groups: Sequence[Group], peer_agent: str, session: str
         release(nixl, made())
         raise
     return made(), pending
+
+
+def post_side_by_side(
+    nixl: NixlAgent, writes: Sequence[tuple[Sequence[Group], str, str]]
+) -> list[tuple[list[Any], list[Any]] | BaseException]:
+    """Post several writes at once, each whole on its own stream: per write ``(handles, in flight)`` or its error.
+
+    For queued submissions: ``(groups, peer agent, session)`` each, at most one per stream. A write
+    delayed by the caller's other work (planning the next request, on a 2-core machine) then holds up
+    only itself, where one write cut across every stream would wait for its slowest chunk.
+    """
+    handles: list[list[Any]] = [[] for _ in writes]
+    with nixl.lock:
+        agent = nixl.raw()
+        posts = [partial(_prepare_and_post, agent, nixl, g, p, s, h) for (g, p, s), h in zip(writes, handles)]
+        futures = _run(nixl, posts)
+    out: list[tuple[list[Any], list[Any]] | BaseException] = []
+    for (_, peer, session), made, future in zip(writes, handles, futures):
+        exc = future.exception()
+        if exc is None:
+            states = future.result()
+            if all(state in (_DONE, _PROC) for state in states):
+                out.append((made, [h for h, state in zip(made, states) if state == _PROC]))
+                continue
+            exc = kvwire.TransferError(f"NIXL write to {peer} failed when posted ({states})", peer=session)
+        release(nixl, made)
+        out.append(exc)
+    return out
 
 
 def poll(nixl: NixlAgent, pending: Sequence[Any], peer_agent: str, session: str) -> list[Any]:
