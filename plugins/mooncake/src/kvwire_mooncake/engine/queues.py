@@ -10,7 +10,10 @@ starting as soon as the previous returns: one write already keeps up to
 ``max_inflight_per_peer`` descriptors in flight to its peer, so running two at
 once would only split that budget and the cores between them; jobs to
 different peers run side by side. A job still queued can be cancelled (it
-never starts); one that started runs to its end.
+never starts); one that started runs to its end. A write that fails with a
+:class:`kvwire.TransferError` fails the jobs queued behind it to that peer at
+once, with the same error class and nothing sent: they would meet the same
+dead or frozen peer one timeout after another.
 """
 
 from __future__ import annotations
@@ -68,8 +71,26 @@ class PeerQueues:
                 job()
             except BaseException as exc:  # handed to whoever waits on the future
                 future.set_exception(exc)
+                if isinstance(exc, TransferError):
+                    self._fail_queued(session_id, exc)
             else:
                 future.set_result(None)
+
+    def _fail_queued(self, session_id: str, cause: TransferError) -> None:
+        """Fail the jobs queued to ``session_id`` now, with ``cause``'s class: nothing of theirs was sent."""
+        with self._lock:
+            queue = self._queues.get(session_id)
+            queued = list(queue) if queue else []
+            if queue:
+                queue.clear()
+        for _, future in queued:
+            if future.set_running_or_notify_cancel():
+                message = f"not started: an earlier write to {session_id} failed ({cause}); nothing was sent"
+                try:
+                    error = type(cause)(message, code=cause.code, peer=session_id)
+                except TypeError:  # a subclass with a constructor of its own
+                    error = TransferError(message, code=cause.code, peer=session_id)
+                future.set_exception(error)
 
     def close(self) -> None:
         """Fail every job not yet started (typed); running ones end by their own deadline."""
