@@ -31,7 +31,7 @@ from kvwire import telemetry
 from kvwire.capabilities import FEATURE_DISTRIBUTIONS
 from kvwire.config import BackendConfig
 from kvwire.errors import InvalidTransferError, KvwireError, UnsupportedFeatureError
-from kvwire.futures import TransferFuture, follow
+from kvwire.futures import TransferFuture, follow, run_into
 from kvwire.layout import KVLayout
 from kvwire.markers import hookimpl
 from kvwire.notifications import Notification
@@ -212,13 +212,12 @@ class TransportBackend(ABC):
         future = TransferFuture(session_id, plan.nbytes, len(plan))
         if len(plan):
             return follow(future, self.transport.submit(session_id, plan, notification), lambda _: plan.nbytes)
-        if future.set_running_or_notify_cancel():
-            try:
-                if notification is not None:
-                    self.transport.notify(session_id, notification)
-                future.set_result(0)
-            except BaseException as exc:
-                future.set_exception(exc)
+        def notify_only() -> int:  # nothing to write: the notification alone, here and now
+            if notification is not None:
+                self.transport.notify(session_id, notification)
+            return 0
+
+        run_into(future, notify_only)
         return future
 
     @hookimpl

@@ -79,6 +79,11 @@ def _as_backend_error(exc: BaseException, name: str, where: str) -> BaseExceptio
     return wrapped
 
 
+def _check_session_id(session_id: object) -> None:
+    if not isinstance(session_id, str) or not session_id:
+        raise InvalidTransferError(f"session_id must be a non-empty str, got {type(session_id).__name__}")
+
+
 @contextmanager
 def _backend_errors(name: str, where: str) -> Iterator[None]:
     """Let kvwire errors through; wrap anything else a backend raises (SystemExit included) in BackendError."""
@@ -292,12 +297,9 @@ class Connection:
                 lambda moved: self._moved(moved, "submit_kvcache"),
                 lambda exc: _as_backend_error(exc, self.name, "submit_kvcache"),
             )
-        local, peer = self._local, self._peers.get(session_id)
-        if local is None:
+        if self._local is None:
             raise InvalidTransferError("register_kv_buffers() must be called before submit_kvcache()")
-        if peer is None:
-            raise InvalidTransferError(f"session_id {session_id[:80]!r} is unknown: call add_peer() first")
-        plan = request.plan(local, peer)  # every input error now, before anything is queued
+        plan = request.plan(self._local, self._known_peer(session_id))  # every input error now, before queueing
         future = TransferFuture(session_id, plan.nbytes, len(plan))
 
         def job() -> int:
@@ -316,12 +318,10 @@ class Connection:
         endpoint to one peer arrive in the order they were sent.
         """
         self._check_open()
-        if not isinstance(session_id, str) or not session_id:
-            raise InvalidTransferError(f"session_id must be a non-empty str, got {type(session_id).__name__}")
+        _check_session_id(session_id)
         message = check_message(message, "message")
         self._require(frozenset({"notifications"}), "send_notification")
-        if session_id not in self._peers:
-            raise InvalidTransferError(f"session_id {session_id[:80]!r} is unknown: call add_peer() first")
+        self._known_peer(session_id)
         self._call("send_notification", session_id=session_id, message=message)
 
     def poll_notifications(self) -> list[Notification]:
@@ -348,8 +348,7 @@ class Connection:
         dst_attn_tp_size: int | None,
     ) -> TransferRequest:
         """The checked request: argument types, features the backend lacks, the caller's view of the peer."""
-        if not isinstance(session_id, str) or not session_id:
-            raise InvalidTransferError(f"session_id must be a non-empty str, got {type(session_id).__name__}")
+        _check_session_id(session_id)
         request = TransferRequest(
             prefill_kv_indices,
             dst_kv_ptrs,
@@ -366,6 +365,13 @@ class Connection:
         if (dst_kv_item_len is not None or dst_attn_tp_size is not None) and self._local and peer:
             check_peer_shape(self._local, peer, dst_layer_ids, dst_kv_item_len, dst_attn_tp_size)
         return request
+
+    def _known_peer(self, session_id: str) -> KVLayout:
+        """The layout ``add_peer`` recorded for ``session_id``; InvalidTransferError for an unknown peer."""
+        peer = self._peers.get(session_id)
+        if peer is None:
+            raise InvalidTransferError(f"session_id {session_id[:80]!r} is unknown: call add_peer() first")
+        return peer
 
     def _send(self, session_id: str, request: TransferRequest, executor: Executor | None) -> int:
         moved = self._call("send_kvcache", session_id=session_id, executor=executor, **request.arguments())

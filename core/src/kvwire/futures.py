@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-__all__ = ["TransferFuture", "follow"]
+__all__ = ["TransferFuture", "fail_unstarted", "follow", "run_into"]
 
 T = TypeVar("T")
 
@@ -70,3 +70,26 @@ def follow(
 
     source.add_done_callback(done)
     return target
+
+
+def run_into(future: Future[T], fn: Callable[[], T]) -> bool:
+    """Run ``fn`` for ``future`` unless it was cancelled first: its result, or what it raised, completes it.
+
+    Returns False when the future had been cancelled (``fn`` never ran). The one place a worker
+    turns a queued call into a completed future, for the core's pool and the engines' workers alike.
+    """
+    if not future.set_running_or_notify_cancel():
+        return False
+    try:
+        result = fn()
+    except BaseException as exc:  # handed to whoever waits on the future
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+    return True
+
+
+def fail_unstarted(future: Future[Any], error: BaseException) -> None:
+    """Fail ``future`` with ``error`` unless it was cancelled (a queued call that will never run)."""
+    if future.set_running_or_notify_cancel():
+        future.set_exception(error)

@@ -16,7 +16,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from typing import Final
 
 from kvwire.errors import BackendError
-from kvwire.futures import TransferFuture
+from kvwire.futures import TransferFuture, run_into
 
 __all__ = ["DEFAULT_SUBMIT_WORKERS", "Submissions"]
 
@@ -61,16 +61,8 @@ class Submissions:
         """
         self.track(future)
 
-        def work() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                future.set_result(job())
-            except BaseException as exc:  # handed to whoever waits on the future
-                future.set_exception(exc)
-
         try:
-            (executor or self._own_pool()).submit(work)
+            (executor or self._own_pool()).submit(run_into, future, job)
         except RuntimeError as exc:  # the executor was shut down
             future.cancel()
             raise BackendError(f"cannot queue the transfer: {exc}; nothing was sent") from exc

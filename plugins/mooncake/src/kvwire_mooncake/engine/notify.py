@@ -76,16 +76,20 @@ def deliver(
             slots.release(slot)
 
     try:
-        rc = workers.submit(call).result(timeout=timeout_s)
-    except RuntimeError:
+        pending = workers.submit(call)
+    except RuntimeError:  # the workers are closed: the call never ran, so its slot is released here
         slots.release(slot)
         raise TransferError("MooncakeEngine is closed", peer=session_id) from None
+    try:
+        rc = pending.result(timeout=timeout_s)
     except FutureTimeoutError:
         raise TransferTimeoutError(
             f"the notification to {session_id} was not sent within {timeout_s:g} s", peer=session_id
         ) from None
     if rc != 0:
-        raise TransferError(f"Mooncake could not send the notification to {session_id} (rc={rc})", code=rc)
+        raise TransferError(
+            f"Mooncake could not send the notification to {session_id} (rc={rc})", code=rc, peer=session_id
+        )
 
 
 def received(engine: Any) -> list[tuple[str, bytes]]:

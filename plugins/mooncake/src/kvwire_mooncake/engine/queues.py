@@ -24,6 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from kvwire.errors import TransferError
+from kvwire.futures import fail_unstarted, run_into
 from kvwire_mooncake.engine.workers import Workers
 
 __all__ = ["PeerQueues"]
@@ -65,16 +66,8 @@ class PeerQueues:
                     self._queues.pop(session_id, None)
                     return
                 job, future = queue.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue  # cancelled while queued: never started
-            try:
-                job()
-            except BaseException as exc:  # handed to whoever waits on the future
-                future.set_exception(exc)
-                if isinstance(exc, TransferError):
-                    self._fail_queued(session_id, exc)
-            else:
-                future.set_result(None)
+            if run_into(future, job) and isinstance(failed := future.exception(), TransferError):
+                self._fail_queued(session_id, failed)
 
     def _fail_queued(self, session_id: str, cause: TransferError) -> None:
         """Fail the jobs queued to ``session_id`` now, with ``cause``'s class: nothing of theirs was sent."""
@@ -83,14 +76,13 @@ class PeerQueues:
             queued = list(queue) if queue else []
             if queue:
                 queue.clear()
+        message = f"not started: an earlier write to {session_id} failed ({cause}); nothing was sent"
         for _, future in queued:
-            if future.set_running_or_notify_cancel():
-                message = f"not started: an earlier write to {session_id} failed ({cause}); nothing was sent"
-                try:
-                    error = type(cause)(message, code=cause.code, peer=session_id)
-                except TypeError:  # a subclass with a constructor of its own
-                    error = TransferError(message, code=cause.code, peer=session_id)
-                future.set_exception(error)
+            try:
+                error = type(cause)(message, code=cause.code, peer=session_id)
+            except TypeError:  # a subclass with a constructor of its own
+                error = TransferError(message, code=cause.code, peer=session_id)
+            fail_unstarted(future, error)
 
     def close(self) -> None:
         """Fail every job not yet started (typed); running ones end by their own deadline."""
@@ -99,8 +91,6 @@ class PeerQueues:
             queued = [item for queue in self._queues.values() for item in queue]
             for queue in self._queues.values():
                 queue.clear()
+        closed = "MooncakeEngine was closed before this write started; nothing was sent"
         for _, future in queued:
-            if future.set_running_or_notify_cancel():
-                future.set_exception(
-                    TransferError("MooncakeEngine was closed before this write started; nothing was sent")
-                )
+            fail_unstarted(future, TransferError(closed))

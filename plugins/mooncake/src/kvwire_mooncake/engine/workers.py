@@ -13,6 +13,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Final, TypeVar
 
+from kvwire.futures import run_into
+
 __all__ = ["Workers"]
 
 T = TypeVar("T")
@@ -60,11 +62,7 @@ class Workers:
             if item is None:
                 return
             fn, fut = item
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn())
-                except BaseException as exc:  # handed to the waiting caller
-                    fut.set_exception(exc)
+            run_into(fut, fn)
             del item, fn, fut
             with self._lock:
                 if self._closed or self._idle >= MAX_IDLE_WORKERS:
