@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -252,3 +253,33 @@ def test_cancelling_the_handle_cancels_the_native_future(registry: kvwire.Regist
     idx = np.array([1], np.int32)
     future = conn.submit_kvcache("peer:1", idx, [4096], idx)
     assert future.cancel() and inner.cancelled() and future.cancelled()
+
+
+def test_a_shut_down_executor_is_refused_and_nothing_is_sent(pair: Pair) -> None:
+    before = digest(pair.dst.views)
+    pool = ThreadPoolExecutor(1)
+    pool.shutdown()
+    with pytest.raises(kvwire.BackendError) as exc:
+        pair.submit(range(4), executor=pool)
+    assert str(exc.value) == (
+        "cannot queue the transfer: cannot schedule new futures after shutdown; nothing was sent"
+    )
+    assert digest(pair.dst.views) == before
+
+
+def test_a_submission_while_close_is_draining_is_refused(gated: Pair) -> None:
+    running = gated.submit(range(0, 4))
+    assert GatedTransport.started.acquire(timeout=10)
+    closer = threading.Thread(target=gated.sender.close)
+    closer.start()
+    deadline = time.monotonic() + 10
+    while not gated.sender._submissions.closing and time.monotonic() < deadline:
+        time.sleep(0.001)
+    before = digest(gated.dst.views[0][4:8])
+    with pytest.raises(kvwire.BackendError) as exc:
+        gated.submit(range(4, 8))
+    assert str(exc.value) == "connection to backend 'gated' is closing; nothing was sent"
+    GatedTransport.gate.set()
+    closer.join(timeout=10)
+    assert running.result(timeout=0) == 4 * 4096 * 4
+    assert digest(gated.dst.views[0][4:8]) == before
