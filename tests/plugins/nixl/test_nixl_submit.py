@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import kvwire
 from kvwire import BackendConfig
 from kvwire.testing.harness import ContractHarness
 from kvwire.testing.receiver import LayoutSpec
+from kvwire.workload.fragment import fragmented_pages
 from kvwire_nixl.locate import nixl_availability
 
 if (_reason := nixl_availability()) is not None:
@@ -62,3 +64,35 @@ def test_close_with_submissions_queued_and_in_flight_leaves_none_pending() -> No
 
 def test_notifications_arrive_once_in_send_order() -> None:
     submit_scenarios.notifications_in_send_order("nixl")
+
+
+def test_writes_of_several_chunks_queued_together_land_whole_and_a_done_callback_may_call_back() -> None:
+    """Three 160 MiB submissions (three 64 MiB-class chunks each, fed to two streams across write boundaries):
+    every byte lands; each one's notification follows its data; a done-callback that sends a notification and
+    submits again (back into the transport whose submitter completed it) neither deadlocks nor is lost."""
+    spec = LayoutSpec("mha", (0, 1, 2, 3), 1024, 65536)  # 8 buffers: 320 pages per request = 160 MiB
+    harness = ContractHarness("nixl", two_process=True)
+    rng = np.random.default_rng(23)
+    with harness.pair(spec, spec, 23) as pair:
+        dst = rng.permutation(1024).astype(np.int32)
+        requests = [(fragmented_pages(rng, 1024, 320), np.sort(dst[k * 320 : (k + 1) * 320])) for k in range(3)]
+        messages = [f"big-{k}".encode() for k in range(3)]
+        pair.receiver.start_watch({m: [int(i) for i in d] for m, (_, d) in zip(messages, requests, strict=True)})
+        again: list[Future[int]] = []
+
+        def call_back(_: Future[int]) -> None:
+            pair.connection.send_notification(pair.receiver.endpoint, b"from-a-callback")
+            again.append(pair.submit(*requests[0]))
+
+        futures = [pair.submit(p, d, m) for (p, d), m in zip(requests, messages, strict=True)]
+        futures[0].add_done_callback(call_back)
+        assert [f.result(timeout=60) for f in futures] == [320 * 65536 * 8] * 3
+        arrivals = pair.receiver.collect(4, 30.0)
+        seen = {message: digest for _, message, digest in arrivals}
+        assert set(seen) == {*messages, b"from-a-callback"}
+        for message, (prefill, pages) in zip(messages, requests, strict=True):
+            assert seen[message] == pair.expected_page_digest(prefill, pages), f"{message!r} arrived before its data"
+        assert len(again) == 1 and again[0].result(timeout=60) == 320 * 65536 * 8
+        prefill = np.concatenate([p for p, _ in requests])
+        pages = np.concatenate([d for _, d in requests])
+        assert pair.receiver.hashes() == pair.expected_hashes(prefill, pages)

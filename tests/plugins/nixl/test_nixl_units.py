@@ -9,7 +9,11 @@ import logging
 import os
 import subprocess
 import sys
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,10 +30,11 @@ from kvwire_nixl.endpoint import (
     metadata_agent,
 )
 from kvwire_nixl.errors import translate
+from kvwire_nixl.feed import DONE, PROC, Group, Write, chunks_of, feed
 from kvwire_nixl.memory import segment_of
 from kvwire_nixl.options import NixlOptions
 from kvwire_nixl.quiet import Quiet, install_filter
-from kvwire_nixl.xfer import Group, RegionIndex, chunks_of, groups_of
+from kvwire_nixl.xfer import RegionIndex, groups_of
 
 REGIONS = (Region(0x10000, 0x1000, "DRAM", 0), Region(0x20000, 0x2000, "DRAM", 0))
 
@@ -281,3 +286,67 @@ def test_every_segment_group_is_split_over_the_same_streams() -> None:
     assert len(parts) == 2
     assert sum(int(g.local[:, 1].sum()) for p in parts for g in p) == 17 * mib
     assert [len(p) for p in parts] == [2, 1]  # the one-row group lands whole in the first chunk
+
+
+def test_a_large_write_is_cut_into_chunks_of_about_the_chunk_size_with_two_streams_or_more() -> None:
+    mib = 1 << 20
+    group = _group([mib] * 300)  # 300 MiB
+    parts = chunks_of([group], 2)
+    assert len(parts) == 5  # ceil(300 / 64): five chunks of 60 MiB, fed to whichever stream is free
+    assert [int(p[0].local[:, 1].sum()) // mib for p in parts] == [60] * 5
+    assert np.array_equal(np.concatenate([p[0].local for p in parts]), group.local)
+    assert len(chunks_of([group], 8)) == 8  # at least one per stream
+    assert chunks_of([group], 1) == [[group]]  # one stream: one thread posts it either way
+    assert len(chunks_of([group], 2, chunk=100 * mib)) == 3
+
+
+class _Streams:
+    """A stand-in for NixlAgent's streams: each task runs at once, on the thread; the order is recorded."""
+
+    def __init__(self, streams: int) -> None:
+        self.streams = streams
+        self.started: list[tuple[int, str]] = []
+
+    def on_stream(self, index: int, fn: Callable[[], list[str]]) -> Future[list[str]]:
+        future: Future[list[str]] = Future()
+        try:
+            future.set_result(fn())
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
+
+
+def test_feed_posts_chunks_in_order_drops_a_failed_writes_rest_and_takes_work_added_between() -> None:
+    mib = 1 << 20
+    streams = _Streams(2)
+    a = Write("a", "agent-a", [_group([mib] * 12)])  # three 4 MiB chunks with three streams' worth of cuts
+    b = Write("b", "agent-b", [_group([mib] * 8)])
+    c = Write("c", "agent-c", [_group([mib] * 4)])
+    work = deque([*a.chunks(3), *b.chunks(2)])
+    assert [w.session for w, _ in work] == ["a", "a", "a", "b", "b"]
+    posted: list[str] = []
+
+    def post(_: object, __: object, part: Sequence[Group], peer: str, session: str, handles: list[Any]) -> list[str]:
+        posted.append(session)
+        handles.append(f"{session}{len(posted)}")
+        if session == "a" and posted.count("a") == 1:
+            raise kvwire.InvalidTransferError("refused")
+        return [PROC if session == "b" else DONE]
+
+    rounds: list[int] = []
+
+    def between() -> float | None:
+        rounds.append(len(work))
+        if len(rounds) == 1:
+            work.extend(c.chunks(2))
+        return None
+
+    feed(streams, None, work, between, post)  # type: ignore[arg-type]
+    assert posted == ["a", "a", "b", "b", "c"]  # a's third chunk: dropped once its first failed
+    assert a.unposted == b.unposted == c.unposted == 0
+    assert isinstance(a.error, kvwire.TransferError) and not isinstance(a.error, kvwire.InvalidTransferError)
+    assert "other chunks of this write were posted: the destination may be partly written" in str(a.error)
+    assert sorted(a.handles) == ["a1", "a2"]  # both made, so both are released (in the order posts returned)
+    assert b.error is None and sorted(b.pending) == sorted(b.handles) == ["b3", "b4"]
+    assert c.error is None and c.pending == [] and c.handles == ["c5"]
+    assert rounds[0] == 3  # a1 and a2 went first; between() then added c's chunk

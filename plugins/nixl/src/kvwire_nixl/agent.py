@@ -5,7 +5,7 @@ runs NIXL's ``NIXL_THREAD_SYNC_NONE`` mode, so it must never be entered by two
 threads. With ``streams`` > 1 the UCX backend gets that many workers
 (``num_workers``) and the agent runs ``NIXL_THREAD_SYNC_RW`` (UCX workers in
 multi-thread mode); the thread holding the lock may then hand a write's chunks
-to the agent's stream threads (:meth:`NixlAgent.on_streams`), which call NIXL in
+to the agent's stream threads (:meth:`NixlAgent.on_stream`), which call NIXL in
 parallel. NIXL's UCX backend binds a worker to each thread on the thread's
 first ``prepXfer`` (round robin over the workers), so exactly ``streams``
 threads ever prepare transfers on this agent: each posts on its own worker.
@@ -34,7 +34,7 @@ import socket
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager, suppress
 from typing import Any, Final, TypeVar
@@ -242,18 +242,19 @@ class NixlAgent:
         """The lock every call into the agent holds (``raw_write`` holds it for a whole transfer)."""
         return self._state.lock
 
-    def on_streams(self, fns: Sequence[Callable[[], _T]]) -> list[Future[_T]]:
-        """Run ``fns[i]`` on stream thread ``i`` (at most ``streams``); only while holding :attr:`lock`.
-
-        Every future is done when this returns: the caller reads results and exceptions.
-        """
+    def on_stream(self, index: int, fn: Callable[[], _T]) -> Future[_T]:
+        """Start ``fn`` on stream thread ``index`` (with one stream: run here); only while holding :attr:`lock`."""
+        if self.streams == 1:
+            future: Future[_T] = Future()
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the caller, as from a stream
+                future.set_exception(exc)
+            return future
         streams = self._state.streams
-        if len(fns) > len(streams):
-            raise kvwire.TransferError(f"{len(fns)} chunks for {len(streams)} NIXL stream threads (agent closed?)")
-        futures = [stream.submit(fn) for stream, fn in zip(streams, fns)]
-        for future in futures:
-            future.exception()  # waits; never raises (a task's exception is its future's)
-        return futures
+        if index >= len(streams):
+            raise kvwire.TransferError(f"no NIXL stream thread {index} (of {len(streams)}; agent closed?)")
+        return streams[index].submit(fn)
 
     def raw(self) -> Any:
         """The ``nixl_agent`` itself; only while holding :attr:`lock`."""

@@ -1,70 +1,120 @@
-"""Non-blocking writes: one thread per transport posts submitted writes in order and completes their futures.
+"""Non-blocking writes: one thread per transport keeps the streams fed with submitted writes and completes them.
 
 NIXL's asynchrony is post, then poll: ``transfer()`` starts a write and
 ``check_xfer_state`` reports (and, with no progress thread, drives) its
 completion. Over UCX ``cma`` the post itself performs the copy, so
-``submit_kvcache`` must not post on the caller's thread. The submitter thread
-takes submitted writes in order and posts them: one alone across the streams,
-like a blocking write; several queued side by side, each whole on its own
-stream. It keeps the handles of every posted one, polls them all between posts,
-and completes each future when its handles are done: after sending its
-notification (NIXL's ``send_notif``, so it follows the data), or with the
-typed error, or with :class:`kvwire.TransferTimeoutError` at its deadline.
-Over RDMA several writes are in flight at once this way.
+``submit_kvcache`` must not post on the caller's thread.
+
+The submitter thread cuts each submitted write into the same byte-balanced
+chunks as a blocking write (one per stream) and feeds them, in submission
+order, to whichever stream thread is free: a stream that finishes its chunk
+takes the next one at once, the next write's if this one's are all taken, so
+with writes queued no core waits for another at a write's end (a blocking
+write's streams meet at every write's end). While it feeds the streams it
+holds the agent's lock, as a blocking write does while posting; other calls
+into the agent wait for the queued writes to be posted.
+
+A write is done when every chunk is posted and every handle polled done; then
+its notification is sent (NIXL's ``send_notif``, so it follows the data) and
+its future completed, in submission order per peer agent, so notifications
+arrive in send order. Futures are completed on a separate thread, never
+while the lock is held, so a done-callback may call back into the transport.
+Errors are typed; a write still in flight at its deadline fails with
+:class:`kvwire.TransferTimeoutError`. Over RDMA several writes are in flight
+at once this way.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import kvwire
 from kvwire_nixl.agent import NixlAgent
-from kvwire_nixl.xfer import Group, poll, post, post_side_by_side, release, timed_out
+from kvwire_nixl.errors import translate
+from kvwire_nixl.feed import DONE, PROC, Group, Write, feed
+from kvwire_nixl.xfer import release, release_locked, timed_out
 
 __all__ = ["Job", "Submitter"]
 
-_IDLE_POLL_S = 200e-6  # the longest pause between two polls of writes in flight
+_IDLE_POLL_S: Final = 200e-6  # the longest pause between two polls of writes in flight
 
 
 @dataclass(eq=False)
 class Job:
-    """One submitted write and, once posted, its handles and deadline."""
+    """One submitted write: what is fed to the streams, its notification, its future, and its deadline."""
 
-    session: str
-    peer_agent: str
-    groups: list[Group]
+    write: Write
     notification: bytes | None
     timeout_s: float
     future: Future[None] = field(default_factory=Future)
-    handles: list[Any] = field(default_factory=list)
-    pending: list[Any] = field(default_factory=list)
     started: float = 0.0
 
 
+_Outcome = tuple[Future[None], BaseException | None]
+
+
+class _Completer:
+    """The thread that completes futures (their callbacks run here, never under the agent's lock)."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[_Outcome | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, future: Future[None], error: BaseException | None) -> None:
+        self._queue.put((future, error))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, error = item
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+            del item, future, error
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+
+
 class Submitter:
-    """The thread that posts and completes the writes of one :class:`NixlAgent`."""
+    """The thread that posts, polls and completes the submitted writes of one :class:`NixlAgent`."""
 
     def __init__(self, nixl: NixlAgent, name: str) -> None:
         self._nixl = nixl
         self._cond = threading.Condition()
         self._queue: deque[Job] = deque()
-        self._inflight: list[Job] = []  # only the thread touches it
+        self._inflight: list[Job] = []  # started, not completed, in submission order; only the thread touches it
         self._closed = False
+        self._completer = _Completer(f"{name}-done")
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> Future[None]:
         with self._cond:
             if self._closed:
-                raise kvwire.TransferError("the NIXL transport is closed; nothing was sent", peer=job.session)
+                raise kvwire.TransferError("the NIXL transport is closed; nothing was sent", peer=job.write.session)
             self._queue.append(job)
             self._cond.notify()
         return job.future
+
+    def _take(self) -> list[Job]:
+        """The queued jobs, started (a cancelled one is dropped: never posted)."""
+        with self._cond:
+            if self._closed:
+                return []
+            jobs = list(self._queue)
+            self._queue.clear()
+        return [job for job in jobs if job.future.set_running_or_notify_cancel()]
 
     def _loop(self) -> None:
         while True:
@@ -73,78 +123,101 @@ class Submitter:
                     self._cond.wait()
                 if self._closed:
                     return
-                take = min(len(self._queue), self._nixl.streams)  # several queued: side by side
-                jobs = [self._queue.popleft() for _ in range(take)]
-            self._start(jobs)
-            self._poll()
+            work = self._start(self._take())
+            try:
+                with self._nixl.lock:
+                    agent = self._nixl.raw()
+                    if work:
+                        self._feed(agent, work)
+                    self._service(agent)
+            except Exception as exc:  # the agent was closed under us (or a bug): fail what is held, typed
+                self._abandon(exc)
             if self._inflight:
                 with self._cond:
                     if not self._queue and not self._closed:
                         waited = time.monotonic() - min(j.started for j in self._inflight)
                         self._cond.wait(timeout=min(_IDLE_POLL_S, waited / 20))
 
-    def _start(self, jobs: list[Job]) -> None:
-        """Post one queued write across the streams, or several side by side, one per stream."""
-        jobs = [job for job in jobs if job.future.set_running_or_notify_cancel()]  # cancelled: never posted
-        if not jobs:
-            return
-        if len(jobs) == 1:
-            job = jobs[0]
-            try:
-                outcomes: list[tuple[list[Any], list[Any]] | BaseException] = [
-                    post(self._nixl, job.groups, job.peer_agent, job.session)
-                ]
-            except BaseException as exc:
-                outcomes = [exc]
-        else:
-            try:
-                outcomes = post_side_by_side(self._nixl, [(j.groups, j.peer_agent, j.session) for j in jobs])
-            except BaseException as exc:
-                outcomes = [exc] * len(jobs)
+    def _start(self, jobs: list[Job]) -> deque[tuple[Write, Sequence[Group]]]:
+        """Cut each job into its chunks (as a blocking write is); it is in flight from now."""
+        work: deque[tuple[Write, Sequence[Group]]] = deque()
         now = time.monotonic()
-        for job, outcome in zip(jobs, outcomes):
-            if isinstance(outcome, BaseException):
-                job.future.set_exception(outcome)
-                continue
-            job.handles, job.pending = outcome
+        for job in jobs:
+            work.extend(job.write.chunks(self._nixl.streams))
             job.started = now
             self._inflight.append(job)
+        return work
 
-    def _poll(self) -> None:
+    def _abandon(self, exc: Exception) -> None:
+        error = (
+            exc
+            if isinstance(exc, kvwire.KvwireError)
+            else kvwire.TransferError(f"kvwire-nixl's submitter failed ({type(exc).__name__}: {exc})")
+        )
+        for job in self._inflight:
+            job.write.fail(error)
+            job.write.unposted = 0
+            job.write.pending.clear()
+        self._service(None)
+
+    # -- under the agent's lock ----------------------------------------------------
+
+    def _feed(self, agent: Any, work: deque[tuple[Write, Sequence[Group]]]) -> None:
+        """Feed ``work`` and the jobs queued meanwhile to the streams; poll and complete between posts."""
+
+        def between() -> float | None:
+            self._service(agent)
+            work.extend(self._start(self._take()))
+            return _IDLE_POLL_S if any(job.write.pending for job in self._inflight) else None
+
+        feed(self._nixl, agent, work, between)
+
+    def _service(self, agent: Any | None) -> None:
+        """Poll what is in flight; complete, in order per peer, the writes that are done (``agent``: lock held)."""
+        now = time.monotonic()
+        blocked: set[str] = set()  # peers with an earlier write not yet complete: later ones wait (notification order)
         for job in list(self._inflight):
-            try:
-                if job.pending:
-                    job.pending = poll(self._nixl, job.pending, job.peer_agent, job.session)
-                if not job.pending:
-                    self._finish(job)
-                elif (now := time.monotonic()) >= job.started + job.timeout_s:
-                    raise timed_out(job.peer_agent, job.session, now - job.started)
-            except BaseException as exc:
-                self._end(job)
-                job.future.set_exception(exc)
-
-    def _finish(self, job: Job) -> None:
-        """The write is done: release it, send its notification (it follows the data), complete the future."""
-        self._end(job)
-        message = job.notification
-        try:
-            if message is not None:
-                self._nixl.call(
-                    "sending a NIXL notification",
-                    lambda agent: agent.send_notif(job.peer_agent, message),
-                    peer=job.session,
-                    posted=True,
-                )
-        except BaseException as exc:
-            job.future.set_exception(exc)
-            return
-        job.future.set_result(None)
-
-    def _end(self, job: Job) -> None:
-        if job in self._inflight:
+            write = job.write
+            if write.failure is None and write.pending and agent is not None:
+                self._check(agent, job, now)
+            if write.unposted or (write.failure is None and write.pending) or write.peer_agent in blocked:
+                blocked.add(write.peer_agent)
+                continue
             self._inflight.remove(job)
-        release(self._nixl, job.handles)
-        job.handles.clear()
+            self._complete(agent, job)
+
+    def _check(self, agent: Any, job: Job, now: float) -> None:
+        write = job.write
+        with self._nixl.quiet:
+            try:
+                states = [agent.check_xfer_state(h) for h in write.pending]
+            except Exception as exc:
+                write.fail(translate(exc, "a NIXL write", write.session, posted=True))
+                return
+        if any(s not in (DONE, PROC) for s in states):
+            write.fail(kvwire.TransferError(f"NIXL write to {write.peer_agent} failed ({states})", peer=write.session))
+            return
+        write.pending = [h for h, s in zip(write.pending, states) if s == PROC]
+        if write.pending and now >= job.started + job.timeout_s:
+            write.fail(timed_out(write.peer_agent, write.session, now - job.started))
+
+    def _complete(self, agent: Any | None, job: Job) -> None:
+        """Release the write's handles, send its notification if it succeeded, hand its outcome to the completer."""
+        write = job.write
+        if agent is not None:
+            release_locked(self._nixl, write.handles)
+        write.handles.clear()  # agent closed: NIXL freed them with it
+        write.pending.clear()
+        if write.failure is None and job.notification is not None and agent is not None:
+            message = job.notification
+            with self._nixl.quiet:
+                try:
+                    agent.send_notif(write.peer_agent, message)
+                except Exception as exc:
+                    write.fail(translate(exc, "sending a NIXL notification", write.session, posted=True))
+        self._completer.put(job.future, write.error)
+
+    # -- closing ---------------------------------------------------------------------
 
     def close(self) -> None:
         """Stop the thread; fail what it had not started and what was still in flight (typed)."""
@@ -156,14 +229,19 @@ class Submitter:
         self._thread.join(timeout=30)
         for job in queued:
             if job.future.set_running_or_notify_cancel():
-                job.future.set_exception(
-                    kvwire.TransferError("the NIXL transport was closed before this write started; nothing was sent")
+                self._completer.put(
+                    job.future,
+                    kvwire.TransferError("the NIXL transport was closed before this write started; nothing was sent"),
                 )
-        for job in list(self._inflight):
-            self._end(job)
-            job.future.set_exception(
-                kvwire.TransferError(
+        for job in self._inflight:
+            release(self._nixl, job.write.handles)  # what NIXL refuses now is released with the agent
+            self._completer.put(
+                job.future,
+                job.write.error
+                or kvwire.TransferError(
                     "the NIXL transport was closed with this write in flight; the destination may be partly written",
-                    peer=job.session,
-                )
+                    peer=job.write.session,
+                ),
             )
+        self._inflight.clear()
+        self._completer.stop()

@@ -20,6 +20,7 @@ import numpy as np
 import kvwire
 from kvwire_nixl.agent import NixlAgent
 from kvwire_nixl.endpoint import Region, decode_endpoint, encode_endpoint
+from kvwire_nixl.feed import Write
 from kvwire_nixl.memory import segment_of
 from kvwire_nixl.options import NixlOptions
 from kvwire_nixl.submit import Job, Submitter
@@ -151,7 +152,7 @@ class NixlTransport(kvwire.Transport):
         peer = self._peer(session_id)
         self.regions.check(plan.src, plan.length)
         groups = groups_of(plan, self._local_index, peer.regions)
-        job = Job(session_id, peer.agent, groups, notification, self.config.timeout_s)
+        job = Job(Write(session_id, peer.agent, groups), notification, self.config.timeout_s)
         with self._lock:
             if self._submitter is None:
                 if self.agent.closed:

@@ -3,13 +3,13 @@
 A :class:`kvwire.TransferPlan` becomes Nx3 ``int64`` tables ``(address,
 length, device)``, handed to NIXL as arrays (it copies them in one
 ``memcpy``): one table pair per (local segment, remote segment) group, so a
-plan over DRAM only, the usual case, is one NIXL transfer per stream.
+plan over DRAM only, the usual case, is one NIXL transfer per chunk.
 
 Streams: with ``streams`` > 1 (see :mod:`kvwire_nixl.options`) a write of at
-least 4 MiB per stream is cut into byte-balanced chunks of rows
-(:func:`chunks_of`), and stream thread ``i`` prepares and posts chunk ``i`` on
-its own UCX worker while the calling thread holds the agent's lock; over
-``cma`` the posting thread performs the copy, so the chunks are copied in
+least 4 MiB per stream is cut into byte-balanced chunks of rows, and each
+chunk is prepared and posted by the first free stream thread, on its own UCX
+worker, while the calling thread holds the agent's lock (:mod:`kvwire_nixl.feed`);
+over ``cma`` the posting thread performs the copy, so the chunks are copied in
 parallel. :func:`raw_transfer` uses the very same chunks and threads.
 
 Waiting: the initiator's NIXL offers no completion wait, only
@@ -23,11 +23,10 @@ spinning core; it ends at the deadline.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import numpy as np
 from numpy.typing import NDArray
@@ -36,19 +35,18 @@ import kvwire
 from kvwire_nixl.agent import NixlAgent
 from kvwire_nixl.endpoint import Region
 from kvwire_nixl.errors import translate
+from kvwire_nixl.feed import DONE, PROC, Group, Write, feed, prepare
 from kvwire_nixl.memory import DRAM, VRAM, Segment
 
 __all__ = [
-    "Group",
     "RegionIndex",
-    "chunks_of",
     "groups_of",
     "pause",
     "poll",
     "post",
-    "post_side_by_side",
     "raw_transfer",
     "release",
+    "release_locked",
     "timed_out",
     "transfer",
 ]
@@ -56,9 +54,6 @@ __all__ = [
 _SPIN_S: Final = 100e-6
 _YIELD_S: Final = 1e-3
 _MAX_SLEEP_S: Final = 200e-6
-_DONE, _PROC = "DONE", "PROC"
-_MIN_CHUNK: Final = 4 << 20  # bytes per stream below which a write is not split further
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -96,16 +91,6 @@ def _segment(key: int) -> tuple[Segment, int]:
     return (VRAM if key >> 16 else DRAM), key & 0xFFFF
 
 
-@dataclass(frozen=True)
-class Group:
-    """One NIXL transfer: local and remote Nx3 tables and their segments."""
-
-    local: NDArray[np.int64]
-    local_segment: Segment
-    remote: NDArray[np.int64]
-    remote_segment: Segment
-
-
 def _table(addr: NDArray[np.int64], length: NDArray[np.int64], device: int | NDArray[np.int64]) -> NDArray[np.int64]:
     table = np.empty((addr.shape[0], 3), dtype=np.int64)
     table[:, 0] = addr
@@ -133,135 +118,22 @@ def groups_of(plan: kvwire.TransferPlan, local: RegionIndex, remote: RegionIndex
     return groups
 
 
-def chunks_of(groups: Sequence[Group], streams: int, min_chunk: int = _MIN_CHUNK) -> list[list[Group]]:
-    """The groups cut into at most ``streams`` byte-balanced chunks of rows, one list of groups per stream.
-
-    No chunk is smaller than ``min_chunk`` bytes (except the only one); every list is non-empty.
-    """
-    nbytes = sum(int(g.local[:, 1].sum()) for g in groups)
-    k = max(1, min(streams, nbytes // max(1, min_chunk)))
-    if k == 1:
-        return [list(groups)]
-    parts: list[list[Group]] = [[] for _ in range(k)]
-    for group in groups:
-        ends = np.cumsum(group.local[:, 1])
-        n = int(ends.shape[0])
-        targets = ends[-1] * np.arange(1, k, dtype=np.float64) / k
-        cuts = np.minimum(np.searchsorted(ends, targets, side="left") + 1, n)
-        bounds = [0, *np.maximum.accumulate(cuts).tolist(), n]
-        for i in range(k):
-            lo, hi = bounds[i], bounds[i + 1]
-            if hi > lo:
-                parts[i].append(
-                    Group(group.local[lo:hi], group.local_segment, group.remote[lo:hi], group.remote_segment)
-                )
-    return [part for part in parts if part]
-
-
-def _prepare(agent: Any, group: Group, peer: str) -> Any:
-    local = agent.get_xfer_descs(group.local, group.local_segment)
-    remote = agent.get_xfer_descs(group.remote, group.remote_segment)
-    return agent.initialize_xfer("WRITE", local, remote, peer)
-
-
-def _run(nixl: NixlAgent, fns: Sequence[Callable[[], _T]]) -> list[Future[_T]]:
-    """Each ``fns[i]`` on stream ``i``, or here when the agent has one stream; holding the lock."""
-    if nixl.streams > 1:
-        return nixl.on_streams(fns)
-    future: Future[_T] = Future()
-    try:
-        future.set_result(fns[0]())
-    except BaseException as exc:  # re-raised by the caller, as from a stream
-        future.set_exception(exc)
-    return [future]
-
-
-def _prepare_and_post(
-    agent: Any, nixl: NixlAgent, part: Sequence[Group], peer_agent: str, session: str, handles: list[Any]
-) -> list[str]:
-    """Prepare and post one chunk (on the calling stream's worker); appends its handles, returns their states."""
-    with nixl.quiet:
-        try:
-            for group in part:
-                handles.append(_prepare(agent, group, peer_agent))
-        except Exception as exc:
-            raise translate(exc, "preparing a NIXL write", session, posted=False) from exc.with_traceback(None)
-        states = []
-        for handle in handles:
-            try:
-                states.append(str(agent.transfer(handle)))
-            except Exception as exc:
-                raise translate(exc, "posting a NIXL write", session, posted=True) from exc.with_traceback(None)
-        return states
-
-
 def post(nixl: NixlAgent, groups: Sequence[Group], peer_agent: str, session: str) -> tuple[list[Any], list[Any]]:
-    """Prepare and post every group (in chunks, on the streams); ``(all handles, those still in flight)``.
+    """Prepare and post every group (in chunks, fed to the streams); ``(all handles, those still in flight)``.
 
     The lock is held while the chunks are prepared and posted (over ``cma`` that is the copy). On an
     error the handles already made are released before it is raised.
     """
-    parts = chunks_of(groups, nixl.streams)
-    handles: list[list[Any]] = [[] for _ in parts]
-
-    def made() -> list[Any]:
-        return [h for part_handles in handles for h in part_handles]
-
+    write = Write(session, peer_agent, groups)
     try:
         with nixl.lock:
-            agent = nixl.raw()
-            futures = _run(
-                nixl,
-                [partial(_prepare_and_post, agent, nixl, p, peer_agent, session, h) for p, h in zip(parts, handles)],
-            )
-        errors = [e for f in futures if (e := f.exception()) is not None]
-        if errors:
-            first = errors[0]
-            if isinstance(first, kvwire.InvalidTransferError) and len(errors) < len(futures):
-                raise kvwire.TransferError(
-                    f"{first}; other chunks of this write were posted: the destination may be partly written",
-                    peer=session,
-                )
-            raise first
-        pending = []
-        for part_handles, future in zip(handles, futures):
-            for handle, state in zip(part_handles, future.result()):
-                if state == _PROC:
-                    pending.append(handle)
-                elif state != _DONE:
-                    raise kvwire.TransferError(f"NIXL write to {peer_agent} failed when posted ({state})", peer=session)
+            feed(nixl, nixl.raw(), deque(write.chunks(nixl.streams)))
+        if (error := write.error) is not None:
+            raise error
     except BaseException:
-        release(nixl, made())
+        release(nixl, write.handles)
         raise
-    return made(), pending
-
-
-def post_side_by_side(
-    nixl: NixlAgent, writes: Sequence[tuple[Sequence[Group], str, str]]
-) -> list[tuple[list[Any], list[Any]] | BaseException]:
-    """Post several writes at once, each whole on its own stream: per write ``(handles, in flight)`` or its error.
-
-    For queued submissions: ``(groups, peer agent, session)`` each, at most one per stream. A write
-    delayed by the caller's other work (planning the next request, on a 2-core machine) then holds up
-    only itself, where one write cut across every stream would wait for its slowest chunk.
-    """
-    handles: list[list[Any]] = [[] for _ in writes]
-    with nixl.lock:
-        agent = nixl.raw()
-        posts = [partial(_prepare_and_post, agent, nixl, g, p, s, h) for (g, p, s), h in zip(writes, handles)]
-        futures = _run(nixl, posts)
-    out: list[tuple[list[Any], list[Any]] | BaseException] = []
-    for (_, peer, session), made, future in zip(writes, handles, futures):
-        exc = future.exception()
-        if exc is None:
-            states = future.result()
-            if all(state in (_DONE, _PROC) for state in states):
-                out.append((made, [h for h, state in zip(made, states) if state == _PROC]))
-                continue
-            exc = kvwire.TransferError(f"NIXL write to {peer} failed when posted ({states})", peer=session)
-        release(nixl, made)
-        out.append(exc)
-    return out
+    return write.handles, write.pending
 
 
 def poll(nixl: NixlAgent, pending: Sequence[Any], peer_agent: str, session: str) -> list[Any]:
@@ -272,9 +144,9 @@ def poll(nixl: NixlAgent, pending: Sequence[Any], peer_agent: str, session: str)
             states = [agent.check_xfer_state(h) for h in pending]
         except Exception as exc:
             raise translate(exc, "a NIXL write", session, posted=True) from exc.with_traceback(None)
-    if any(s not in (_DONE, _PROC) for s in states):
+    if any(s not in (DONE, PROC) for s in states):
         raise kvwire.TransferError(f"NIXL write to {peer_agent} failed ({states})", peer=session)
-    return [h for h, s in zip(pending, states) if s == _PROC]
+    return [h for h, s in zip(pending, states) if s == PROC]
 
 
 def timed_out(peer_agent: str, session: str, waited: float) -> kvwire.TransferTimeoutError:
@@ -315,8 +187,14 @@ def transfer(nixl: NixlAgent, groups: Sequence[Group], peer_agent: str, session:
 
 
 def release(nixl: NixlAgent, handles: Sequence[Any]) -> None:
-    """Release every handle; one NIXL refuses (still in flight) is kept and released at close."""
-    with nixl.quiet, nixl.lock:
+    """Release every handle (taking the lock); one NIXL refuses (still in flight) is kept and released at close."""
+    with nixl.lock:
+        release_locked(nixl, handles)
+
+
+def release_locked(nixl: NixlAgent, handles: Sequence[Any]) -> None:
+    """:func:`release`, by the holder of ``nixl.lock``."""
+    with nixl.quiet:
         for handle in handles:
             try:
                 handle.release()
@@ -324,18 +202,19 @@ def release(nixl: NixlAgent, handles: Sequence[Any]) -> None:
                 nixl.leak(handle)
 
 
-def _raw_part(agent: Any, part: Sequence[Group], peer_agent: str) -> None:
+def _raw_post(
+    agent: Any, nixl: NixlAgent, part: Sequence[Group], peer_agent: str, session: str, handles: list[Any]
+) -> list[str]:
     """The bare NIXL calls for one chunk: prepare, post, poll without pause, release."""
-    handles = [_prepare(agent, g, peer_agent) for g in part]
+    made = [prepare(agent, g, peer_agent) for g in part]
     try:
-        states = [agent.transfer(h) for h in handles]
-        for i, handle in enumerate(handles):
-            while states[i] == _PROC:
+        states = [agent.transfer(h) for h in made]
+        for i, handle in enumerate(made):
+            while states[i] == PROC:
                 states[i] = agent.check_xfer_state(handle)
-        if any(s != _DONE for s in states):
-            raise kvwire.TransferError(f"NIXL write to {peer_agent} failed ({states})")
+        return [str(state) for state in states]
     finally:
-        for handle in handles:
+        for handle in made:
             handle.release()
 
 
@@ -343,10 +222,10 @@ def raw_transfer(nixl: NixlAgent, groups: Sequence[Group], peer_agent: str) -> N
     """The bare NIXL calls on the same chunks and stream threads as :func:`transfer`; no deadline.
 
     The lock is held throughout; each chunk is prepared, posted, polled without pause and released by
-    its stream (by this thread with one stream).
+    the stream that takes it (by this thread with one stream).
     """
+    write = Write(peer_agent, peer_agent, groups)
     with nixl.lock:
-        agent = nixl.raw()
-        futures = _run(nixl, [partial(_raw_part, agent, part, peer_agent) for part in chunks_of(groups, nixl.streams)])
-    for future in futures:
-        future.result()
+        feed(nixl, nixl.raw(), deque(write.chunks(nixl.streams)), post=_raw_post)
+    if (error := write.error) is not None:
+        raise error
