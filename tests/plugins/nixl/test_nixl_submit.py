@@ -96,3 +96,26 @@ def test_writes_of_several_chunks_queued_together_land_whole_and_a_done_callback
         prefill = np.concatenate([p for p, _ in requests])
         pages = np.concatenate([d for _, d in requests])
         assert pair.receiver.hashes() == pair.expected_hashes(prefill, pages)
+
+
+def test_a_submission_queued_behind_others_is_cancellable_until_its_first_chunk_is_posted() -> None:
+    """The submitter takes every queued write at once, but each stays cancellable until a stream posts its
+    first chunk: with the agent's lock held here the submitter cannot post, so the middle of three writes is
+    cancelled for certain; the other two land, its pages stay as they were."""
+    spec = LayoutSpec("mha", (0, 1), 96, 65536)
+    harness = ContractHarness("nixl", two_process=True)
+    rng = np.random.default_rng(29)
+    with harness.pair(spec, spec, 29) as pair:
+        pair.send(np.arange(1, dtype=np.int32), np.arange(1, dtype=np.int32))  # connected: nothing left to set up
+        dst = rng.permutation(np.arange(1, 96)).astype(np.int32)
+        requests = [(fragmented_pages(rng, 96, 24), np.sort(dst[k * 24 : (k + 1) * 24])) for k in range(3)]
+        transport = pair.connection.backend.transport
+        with transport.agent.lock:
+            futures = [pair.submit(p, d) for p, d in requests]
+            assert futures[1].cancel()
+        assert futures[0].result(timeout=30) == futures[2].result(timeout=30) == 24 * 65536 * 4
+        assert futures[1].cancelled()
+        sent = [requests[0], requests[2]]
+        prefill = np.concatenate([np.arange(1), *(p for p, _ in sent)])
+        pages = np.concatenate([np.arange(1), *(d for _, d in sent)])
+        assert pair.receiver.hashes() == pair.expected_hashes(prefill, pages)

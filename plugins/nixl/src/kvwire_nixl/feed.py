@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, wait
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Final
@@ -118,7 +118,9 @@ class Write:
     groups: Sequence[Group]
     handles: list[Any] = field(default_factory=list)
     pending: list[Any] = field(default_factory=list)
+    start: Callable[[], bool] | None = None  # called before the first chunk is posted; False: drop the write
     unposted: int = 0
+    begun: bool = False
     posted_any: bool = False
     failure: BaseException | None = None
 
@@ -167,8 +169,10 @@ def feed(
 ) -> None:
     """Post every chunk in ``work``, in order, each on the first free stream; only while holding ``nixl.lock``.
 
-    A chunk of a write that already failed is dropped. ``between`` runs after each round of returned
-    posts (it may extend ``work``) and says how long the next wait may last (None: until a post returns).
+    A write's ``start`` is called just before its first chunk is posted (a submitted write stays
+    cancellable until then); a chunk of a write that failed or was dropped is not posted.
+    ``between`` runs after each round of returned posts (it may extend ``work``) and says how long
+    the next wait may last (None: until a post returns).
     """
     free = list(range(nixl.streams))
     busy: dict[Future[list[str]], tuple[int, Write, list[Any]]] = {}
@@ -176,6 +180,10 @@ def feed(
     while work or busy:
         while work and free:
             write, part = work.popleft()
+            if not write.begun:
+                write.begun = True
+                if write.start is not None and not write.start():
+                    write.fail(CancelledError())
             if write.failure is not None:
                 write.unposted -= 1
                 continue

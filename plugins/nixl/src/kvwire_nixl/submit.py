@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Final
 
 import kvwire
@@ -74,7 +75,9 @@ class _Completer:
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             future, error = item
-            if error is None:
+            if future.cancelled():  # before its first chunk was posted: nothing to report
+                pass
+            elif error is None:
                 future.set_result(None)
             else:
                 future.set_exception(error)
@@ -93,7 +96,7 @@ class Submitter:
         self._nixl = nixl
         self._cond = threading.Condition()
         self._queue: deque[Job] = deque()
-        self._inflight: list[Job] = []  # started, not completed, in submission order; only the thread touches it
+        self._inflight: list[Job] = []  # taken, not completed, in submission order; only the thread touches it
         self._closed = False
         self._completer = _Completer(f"{name}-done")
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -108,13 +111,13 @@ class Submitter:
         return job.future
 
     def _take(self) -> list[Job]:
-        """The queued jobs, started (a cancelled one is dropped: never posted)."""
+        """The queued jobs (each stays cancellable until its first chunk is posted)."""
         with self._cond:
             if self._closed:
                 return []
             jobs = list(self._queue)
             self._queue.clear()
-        return [job for job in jobs if job.future.set_running_or_notify_cancel()]
+        return jobs
 
     def _loop(self) -> None:
         while True:
@@ -135,18 +138,22 @@ class Submitter:
             if self._inflight:
                 with self._cond:
                     if not self._queue and not self._closed:
-                        waited = time.monotonic() - min(j.started for j in self._inflight)
+                        waited = time.monotonic() - min(j.started or time.monotonic() for j in self._inflight)
                         self._cond.wait(timeout=min(_IDLE_POLL_S, waited / 20))
 
     def _start(self, jobs: list[Job]) -> deque[tuple[Write, Sequence[Group]]]:
-        """Cut each job into its chunks (as a blocking write is); it is in flight from now."""
+        """Cut each job into its chunks (as a blocking write is); its deadline runs from its first post."""
         work: deque[tuple[Write, Sequence[Group]]] = deque()
-        now = time.monotonic()
         for job in jobs:
+            job.write.start = partial(self._begin, job)
             work.extend(job.write.chunks(self._nixl.streams))
-            job.started = now
             self._inflight.append(job)
         return work
+
+    @staticmethod
+    def _begin(job: Job) -> bool:
+        job.started = time.monotonic()
+        return job.future.set_running_or_notify_cancel()
 
     def _abandon(self, exc: Exception) -> None:
         error = (
@@ -235,13 +242,11 @@ class Submitter:
                 )
         for job in self._inflight:
             release(self._nixl, job.write.handles)  # what NIXL refuses now is released with the agent
-            self._completer.put(
-                job.future,
-                job.write.error
-                or kvwire.TransferError(
-                    "the NIXL transport was closed with this write in flight; the destination may be partly written",
-                    peer=job.write.session,
-                ),
+            closed = "the NIXL transport was closed " + (
+                "with this write in flight; the destination may be partly written"
+                if job.write.begun
+                else "before this write started; nothing was sent"
             )
+            self._completer.put(job.future, job.write.error or kvwire.TransferError(closed, peer=job.write.session))
         self._inflight.clear()
         self._completer.stop()
