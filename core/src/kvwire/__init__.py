@@ -40,6 +40,7 @@ from kvwire.regions import RegionSet
 from kvwire.registry import BackendInfo, Registry, connect, default_registry, register_backend
 from kvwire.spec import SPEC_HISTORY, SPEC_VERSION, BackendSpec, SpecVersion
 from kvwire.validator import ValidationResult, validate_backend
+from kvwire.watcher import Arrival, NotificationWatcher
 
 __version__ = core_version()  # from the installed metadata: pyproject.toml is the one source
 
@@ -49,6 +50,7 @@ __all__ = [
     "MAX_NOTIFICATION_BYTES",
     "SPEC_HISTORY",
     "SPEC_VERSION",
+    "Arrival",
     "BackendConfig",
     "BackendDriftError",
     "BackendError",
@@ -69,6 +71,7 @@ __all__ = [
     "KvwireError",
     "LayoutError",
     "Notification",
+    "NotificationWatcher",
     "PeerDescription",
     "PeerUnreachableError",
     "RawWriter",

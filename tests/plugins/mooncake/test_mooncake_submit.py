@@ -57,6 +57,8 @@ def test_bench_inflight_requests_confirms_each_request_by_notification() -> None
     assert (result["verified"], result["guards_unchanged"], result["inflight_requests"]) == (True, True, 2)
     assert result["bytes"] == 5 * 64 * 16384 * 28 * 2
     assert result["sequential_gbps"] > 0 and result["inflight_gbps"] > 0 and result["inflight_ratio_paired"] > 0
+    assert len(result["inflight_wave_ratios"]) == 3  # waves of 2, 2 and 1 requests
+    assert all(r > 0 for r in result["inflight_wave_ratios"])
     assert result["submit_p50_us"] > 0 and result["notify_p50_us"] is not None
 
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
-import time
 from typing import IO, Any
 
 import numpy as np
@@ -32,6 +30,7 @@ from kvwire.control import accept_one, parse_address, read_command, reply, serve
 from kvwire.layout import MemoryKind
 from kvwire.peer import PeerDescription
 from kvwire.registry import connect
+from kvwire.watcher import NotificationWatcher
 from kvwire.workload.memory import KVMemory, allocate
 
 PageSets = list[tuple[MemoryKind | None, NDArray[np.int64]]]
@@ -52,11 +51,6 @@ def guard_pages(pages: NDArray[np.int64], num_pages: int) -> NDArray[np.int64]:
     return np.setdiff1d(near, pages)
 
 
-#: Seconds between two polls of the notification watcher. It must not take a core from the transfers it
-#: watches: polling every 20 us took 30% of a core on the decode side, every 200 us takes a few percent.
-WATCH_POLL_S = 200e-6
-
-
 class DecodeSide:
     """The decode side's memory and the scramble/verify/watch/confirm commands."""
 
@@ -65,10 +59,7 @@ class DecodeSide:
         self.conn = conn
         self.fill = 0
         self.guards: dict[str, list[str]] = {}
-        self.seen: dict[bytes, float] = {}  # notification message -> time.monotonic() when seen
-        self._cond = threading.Condition()
-        self._watcher: threading.Thread | None = None
-        self._stop = False
+        self._watcher: NotificationWatcher | None = None
 
     def scramble(self, message: dict[str, Any]) -> dict[str, Any]:
         self.fill = (self.fill + 1) % 256  # a different value each time: stale bytes never pass
@@ -91,35 +82,21 @@ class DecodeSide:
         if self.conn is None:
             raise RuntimeError("no connection to watch")
         if self._watcher is None:
-            self._watcher = threading.Thread(target=self._poll, args=(self.conn,), name="bench-watch", daemon=True)
-            self._watcher.start()
+            self._watcher = NotificationWatcher(self.conn, name="bench-watch")
         return {"ok": True}
-
-    def _poll(self, conn: Connection) -> None:
-        while not self._stop:
-            got = conn.poll_notifications()
-            if got:
-                now = time.monotonic()
-                with self._cond:
-                    self.seen.update((n.message, now) for n in got)
-                    self._cond.notify_all()
-            else:
-                time.sleep(WATCH_POLL_S)
 
     def confirm(self, message: dict[str, Any]) -> dict[str, Any]:
         """Wait for the request's notification (``note``, hex), then verify its pages; when it was seen."""
-        note = bytes.fromhex(message["note"])
-        with self._cond:
-            arrived = self._cond.wait_for(lambda: note in self.seen, float(message.get("timeout_s", 30.0)))
-            seen = self.seen.pop(note, None)
-        if not arrived:
+        if self._watcher is None:
+            raise RuntimeError("confirm before watch")
+        arrival = self._watcher.wait_for(bytes.fromhex(message["note"]), float(message.get("timeout_s", 30.0)))
+        if arrival is None:
             return {"ok": False, "guards_ok": False, "seen": None, "error": "no notification"}
-        return {**self.verify(message), "seen": seen}
+        return {**self.verify(message), "seen": arrival.seen}
 
     def stop(self) -> None:
-        self._stop = True
         if self._watcher is not None:
-            self._watcher.join(timeout=5)
+            self._watcher.stop()
 
 
 def _start(args: dict[str, Any], host: str | None = None) -> tuple[Connection, KVMemory]:

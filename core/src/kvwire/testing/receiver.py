@@ -10,8 +10,6 @@ request. In a subprocess it speaks JSON lines over stdin/stdout
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, Protocol
@@ -24,6 +22,8 @@ from kvwire.connection import Connection
 from kvwire.control import ChildProcess, ControlProtocolError, reply, serve
 from kvwire.layout import HeadLayout, KVLayout, MemoryKind, Role
 from kvwire.peer import PeerDescription
+from kvwire.watcher import Arrival as WatchedArrival
+from kvwire.watcher import NotificationWatcher
 from kvwire.workload.memory import KVMemory, allocate, digest
 
 __all__ = [
@@ -112,44 +112,27 @@ class Receiver(Protocol):
 
 
 class _Watcher:
-    """A thread polling one connection's notifications and digesting each one's pages on arrival."""
+    """Digests each notification's pages the moment the connection's watcher sees it."""
 
     def __init__(self, connection: Connection, memory: KVMemory, pages: Mapping[bytes, Sequence[int]]) -> None:
-        self._connection, self._memory, self._pages = connection, memory, dict(pages)
-        self._arrivals: list[Arrival] = []
-        self._error: BaseException | None = None
-        self._cond = threading.Condition()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="kvwire-kit-watch", daemon=True)
-        self._thread.start()
+        self._memory, self._pages = memory, dict(pages)
+        self._digests: list[str | None] = []  # one per arrival, in arrival order
+        # poll_s=0: only yield between polls, so a notification is digested as early as it can be
+        self._watcher = NotificationWatcher(connection, self._digest, poll_s=0, name="kvwire-kit-watch")
 
-    def _run(self) -> None:
-        try:
-            while not self._stopped:
-                got = self._connection.poll_notifications()
-                for note in got:
-                    ids = self._pages.get(note.message)
-                    seen = None if ids is None else self._memory.digest(np.asarray(ids, dtype=np.int64))
-                    with self._cond:
-                        self._arrivals.append((note.sender, note.message, seen))
-                        self._cond.notify_all()
-                if not got:
-                    time.sleep(0)  # yield, then poll again until stopped
-        except BaseException as exc:  # reported by wait()
-            with self._cond:
-                self._error = exc
-                self._cond.notify_all()
+    def _digest(self, arrival: WatchedArrival) -> None:
+        ids = self._pages.get(arrival.notification.message)
+        self._digests.append(None if ids is None else self._memory.digest(np.asarray(ids, dtype=np.int64)))
 
     def wait(self, count: int, timeout_s: float) -> list[Arrival]:
-        with self._cond:
-            self._cond.wait_for(lambda: len(self._arrivals) >= count or self._error is not None, timeout_s)
-            if self._error is not None:
-                raise self._error
-            return list(self._arrivals)
+        arrivals = self._watcher.wait(count, timeout_s)
+        return [
+            (a.notification.sender, a.notification.message, digest)
+            for a, digest in zip(arrivals, self._digests, strict=False)
+        ]
 
     def stop(self) -> None:
-        self._stopped = True
-        self._thread.join(timeout=10)
+        self._watcher.stop()
 
 
 class InProcessReceiver:
