@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-import time
 
 import numpy as np
 
@@ -27,13 +26,16 @@ def main(backend: str) -> int:
     with kvwire.connect(backend, CONFIG, features={"interprocess", "notifications"}) as conn:
         conn.register_kv_buffers(layout)
         print(json.dumps(kvwire.PeerDescription(conn.endpoint(), layout).to_dict()), flush=True)
-        deadline = time.monotonic() + 30
-        while not any(n.message == b"request-1" for n in conn.poll_notifications()):
-            if time.monotonic() > deadline:
+        arrived: list[np.ndarray] = []
+
+        def on_arrival(arrival: kvwire.Arrival) -> None:  # on the watcher's thread, as soon as it is seen
+            if arrival.notification.message == b"request-1":
+                arrived.extend(buf.copy() for buf in bufs)  # the pages are here now: keep them as found
+
+        with kvwire.NotificationWatcher(conn, on_arrival) as watcher:
+            if watcher.wait_for(b"request-1", timeout_s=30) is None:
                 print("decode: no notification within 30 s", file=sys.stderr)
                 return 1
-            time.sleep(0.001)
-        arrived = [buf.copy() for buf in bufs]  # the pages are here now: keep them as the notification found them
         sent = json.loads(sys.stdin.readline())  # what the prefill side sent, to check them against
         pages = np.array(sent["pages"], np.int64)
         digest = hashlib.blake2b(b"".join(buf[pages].tobytes() for buf in arrived)).hexdigest()
