@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import queue
 import re
 import secrets
 import socket
@@ -47,6 +46,7 @@ from kvwire_nixl.locate import import_nixl
 from kvwire_nixl.memory import Segment
 from kvwire_nixl.options import NixlOptions
 from kvwire_nixl.quiet import Quiet, install_filter
+from kvwire_nixl.serial import SerialThread
 
 __all__ = ["UCX", "NixlAgent", "agent_name"]
 
@@ -80,40 +80,9 @@ class _State:
         self.remotes: set[str] = set()
         self.leaked: list[Any] = []  # transfer handles NIXL refused to release (still in flight)
         self.failed_loads: set[str] = set()  # peer agents whose metadata failed to load
-        self.streams: list[_Stream] = []  # the posting threads (streams > 1 only)
+        self.streams: list[SerialThread] = []  # the posting threads (streams > 1 only)
         # notifications drained but not yet polled; the oldest are dropped past INBOX_LIMIT (a peer cannot flood it)
         self.inbox: deque[tuple[str, bytes]] = deque(maxlen=INBOX_LIMIT)
-
-
-_Task = tuple[Callable[[], Any], "Future[Any]"]
-
-
-class _Stream:
-    """One posting thread: runs the callables handed to it, in order, until stopped (``None``)."""
-
-    def __init__(self, name: str) -> None:
-        self.tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while (task := self.tasks.get()) is not None:
-            fn, future = task
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # handed to the caller
-                future.set_exception(exc)
-            del task, fn, future
-
-    def submit(self, fn: Callable[[], _T]) -> Future[_T]:
-        future: Future[_T] = Future()
-        self.tasks.put((fn, future))
-        return future
-
-    def stop(self) -> None:
-        self.tasks.put(None)
-        if self.thread is not threading.current_thread():
-            self.thread.join(_JOIN_S)
 
 
 def _drain(state: _State, agent: Any) -> None:
@@ -146,7 +115,7 @@ def _teardown(state: _State) -> None:
     with state.lock:
         streams, state.streams = state.streams, []
     for stream in streams:
-        stream.stop()
+        stream.stop(_JOIN_S)
     with state.lock, state.quiet:
         agent, state.agent = state.agent, None
         if agent is None:
@@ -205,7 +174,7 @@ class NixlAgent:
         self._state = _State(agent, self.quiet)
         self._finalizer = weakref.finalize(self, _teardown, self._state)
         if self.streams > 1:
-            self._state.streams = [_Stream(f"kvwire-nixl-stream{i}-{self.name}") for i in range(self.streams)]
+            self._state.streams = [SerialThread(f"kvwire-nixl-stream{i}-{self.name}") for i in range(self.streams)]
         if options.progress == "kvwire":
             thread = threading.Thread(
                 target=_progress,

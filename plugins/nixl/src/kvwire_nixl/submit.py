@@ -26,7 +26,6 @@ at once this way.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections import deque
@@ -39,8 +38,9 @@ from typing import Any, Final
 import kvwire
 from kvwire_nixl.agent import NixlAgent
 from kvwire_nixl.errors import translate
-from kvwire_nixl.feed import DONE, PROC, Group, Write, feed
-from kvwire_nixl.xfer import release, release_locked, timed_out
+from kvwire_nixl.feed import Group, Write, feed
+from kvwire_nixl.serial import SerialThread
+from kvwire_nixl.xfer import poll_locked, release, release_locked, timed_out
 
 __all__ = ["Job", "Submitter"]
 
@@ -58,35 +58,14 @@ class Job:
     started: float = 0.0
 
 
-_Outcome = tuple[Future[None], BaseException | None]
-
-
-class _Completer:
-    """The thread that completes futures (their callbacks run here, never under the agent's lock)."""
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[_Outcome | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def put(self, future: Future[None], error: BaseException | None) -> None:
-        self._queue.put((future, error))
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, error = item
-            if future.cancelled():  # before its first chunk was posted: nothing to report
-                pass
-            elif error is None:
-                future.set_result(None)
-            else:
-                future.set_exception(error)
-            del item, future, error
-
-    def stop(self) -> None:
-        self._queue.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
+def _settle(future: Future[None], error: BaseException | None) -> None:
+    """Complete ``future`` (on the completer thread: its callbacks run there, never under the agent's lock)."""
+    if future.cancelled():  # before its first chunk was posted: nothing to report
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
 
 
 class Submitter:
@@ -98,7 +77,7 @@ class Submitter:
         self._queue: deque[Job] = deque()
         self._inflight: list[Job] = []  # taken, not completed, in submission order; only the thread touches it
         self._closed = False
-        self._completer = _Completer(f"{name}-done")
+        self._completer = SerialThread(f"{name}-done")
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -195,16 +174,11 @@ class Submitter:
 
     def _check(self, agent: Any, job: Job, now: float) -> None:
         write = job.write
-        with self._nixl.quiet:
-            try:
-                states = [agent.check_xfer_state(h) for h in write.pending]
-            except Exception as exc:
-                write.fail(translate(exc, "a NIXL write", write.session, posted=True))
-                return
-        if any(s not in (DONE, PROC) for s in states):
-            write.fail(kvwire.TransferError(f"NIXL write to {write.peer_agent} failed ({states})", peer=write.session))
+        try:
+            write.pending = poll_locked(self._nixl, agent, write.pending, write.peer_agent, write.session)
+        except kvwire.KvwireError as exc:
+            write.fail(exc.with_traceback(None))  # its frames would hold the agent alive past close()
             return
-        write.pending = [h for h, s in zip(write.pending, states) if s == PROC]
         if write.pending and now >= job.started + job.timeout_s:
             write.fail(timed_out(write.peer_agent, write.session, now - job.started))
 
@@ -222,7 +196,7 @@ class Submitter:
                     agent.send_notif(write.peer_agent, message)
                 except Exception as exc:
                     write.fail(translate(exc, "sending a NIXL notification", write.session, posted=True))
-        self._completer.put(job.future, write.error)
+        self._completer.submit(partial(_settle, job.future, write.error))
 
     # -- closing ---------------------------------------------------------------------
 
@@ -234,12 +208,10 @@ class Submitter:
             self._queue.clear()
             self._cond.notify_all()
         self._thread.join(timeout=30)
+        unstarted = "the NIXL transport was closed before this write started; nothing was sent"
         for job in queued:
             if job.future.set_running_or_notify_cancel():
-                self._completer.put(
-                    job.future,
-                    kvwire.TransferError("the NIXL transport was closed before this write started; nothing was sent"),
-                )
+                self._completer.submit(partial(_settle, job.future, kvwire.TransferError(unstarted)))
         for job in self._inflight:
             release(self._nixl, job.write.handles)  # what NIXL refuses now is released with the agent
             closed = "the NIXL transport was closed " + (
@@ -247,6 +219,7 @@ class Submitter:
                 if job.write.begun
                 else "before this write started; nothing was sent"
             )
-            self._completer.put(job.future, job.write.error or kvwire.TransferError(closed, peer=job.write.session))
+            error = job.write.error or kvwire.TransferError(closed, peer=job.write.session)
+            self._completer.submit(partial(_settle, job.future, error))
         self._inflight.clear()
-        self._completer.stop()
+        self._completer.stop(timeout_s=30)

@@ -43,6 +43,7 @@ __all__ = [
     "groups_of",
     "pause",
     "poll",
+    "poll_locked",
     "post",
     "raw_transfer",
     "release",
@@ -138,8 +139,13 @@ def post(nixl: NixlAgent, groups: Sequence[Group], peer_agent: str, session: str
 
 def poll(nixl: NixlAgent, pending: Sequence[Any], peer_agent: str, session: str) -> list[Any]:
     """One look at ``pending`` (which also progresses the worker); the handles still in flight."""
-    with nixl.quiet, nixl.lock:
-        agent = nixl.raw()
+    with nixl.lock:
+        return poll_locked(nixl, nixl.raw(), pending, peer_agent, session)
+
+
+def poll_locked(nixl: NixlAgent, agent: Any, pending: Sequence[Any], peer_agent: str, session: str) -> list[Any]:
+    """:func:`poll`, by the holder of ``nixl.lock``; a failed write raises its kvwire error."""
+    with nixl.quiet:
         try:
             states = [agent.check_xfer_state(h) for h in pending]
         except Exception as exc:
