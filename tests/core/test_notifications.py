@@ -210,3 +210,13 @@ def test_a_bad_poll_interval_is_refused_at_once_naming_it() -> None:
             kvwire.NotificationWatcher(receiver, poll_s=-1)
         with pytest.raises(kvwire.ConfigError, match=r"got True"):
             kvwire.NotificationWatcher(receiver, poll_s=True)
+
+
+def test_notifications_that_arrived_before_the_watcher_are_kept(
+    pair: tuple[kvwire.Connection, kvwire.Connection, str],
+) -> None:
+    sender, receiver, endpoint = pair
+    sender.send_notification(endpoint, b"early")
+    with kvwire.NotificationWatcher(receiver) as watcher:  # its first poll finds "early": kept, not dropped
+        sender.send_notification(endpoint, b"late")
+        assert [a.notification.message for a in watcher.wait(2, 10.0)] == [b"early", b"late"]

@@ -65,25 +65,28 @@ class NotificationWatcher:
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         self._stopped = threading.Event()
-        connection.poll_notifications()  # refused here, typed, for a backend without 'notifications'
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        # the first poll here: refused, typed, for a backend without 'notifications'; what it finds is kept
+        first = connection.poll_notifications()
+        self._thread = threading.Thread(target=self._run, args=(first,), name=name, daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
+    def _run(self, got: list[Notification]) -> None:
         try:
-            while not self._stopped.is_set():
-                got = self._connection.poll_notifications()
-                if not got:
+            while True:
+                if got:
+                    now = time.monotonic()
+                    for note in got:
+                        arrival = Arrival(note, now)
+                        if self._on_arrival is not None:
+                            self._on_arrival(arrival)
+                        with self._cond:
+                            self._arrivals.append(arrival)
+                            self._cond.notify_all()
+                else:
                     time.sleep(self._poll_s)
-                    continue
-                now = time.monotonic()
-                for note in got:
-                    arrival = Arrival(note, now)
-                    if self._on_arrival is not None:
-                        self._on_arrival(arrival)
-                    with self._cond:
-                        self._arrivals.append(arrival)
-                        self._cond.notify_all()
+                if self._stopped.is_set():
+                    return
+                got = self._connection.poll_notifications()
         except BaseException as exc:  # raised to whoever waits next
             with self._cond:
                 self._error = exc
