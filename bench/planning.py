@@ -55,7 +55,7 @@ except ImportError:  # a source checkout without kvwire installed
 
 from kvwire.layout import HeadLayout, KVBuffer, KVLayout, Role
 from kvwire.planning import plan_transfer
-from kvwire.slicing import senders
+from kvwire.planning.head_slicing import senders
 from kvwire.workload.fragment import place, run_lengths
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,8 +21,8 @@ from importlib import metadata
 import pluggy
 
 import kvwire
-from kvwire.findings import BackendOrigin
-from kvwire.markers import ENTRY_POINT_GROUP, PROJECT_NAME
+from kvwire.registry.findings import BackendOrigin
+from kvwire.spec.pluggy_project import ENTRY_POINT_GROUP, PROJECT_NAME
 
 
 def _median_us(fn: object, repeat: int) -> float:

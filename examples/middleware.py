@@ -2,7 +2,7 @@
 
     python examples/middleware.py
 
-It reads the backend's per-send record (:mod:`kvwire.telemetry`: descriptors
+It reads the backend's per-send record (:mod:`kvwire.transport.telemetry`: descriptors
 before and after coalescing, planning and transfer time) without planning
 again. A middleware may wrap only spec hooks and take only spec arguments
 (checked at connect). For Prometheus, use the ready one:
@@ -18,7 +18,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 import kvwire
-from kvwire import telemetry
+from kvwire.transport import telemetry
 
 
 class SendLog:

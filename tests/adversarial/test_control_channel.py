@@ -33,8 +33,8 @@ from kvwire.control import (
     read_command,
     serve,
 )
+from kvwire.control.jsonlines import nesting_depth, parse_object
 from kvwire.errors import ConfigError, KvwireError
-from kvwire.jsonlines import nesting_depth, parse_object
 
 HERE = Path(__file__).parent
 DEADLINE = 2.0

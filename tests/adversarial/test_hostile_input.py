@@ -237,4 +237,4 @@ def test_thousands_of_peers_come_and_go_in_bounded_memory() -> None:
         after = tracemalloc.get_traced_memory()[0]
         tracemalloc.stop()
         assert after - before < 256 * 1024, after - before
-        assert conn._peers == {} and conn.backend._peers == {}
+        assert len(conn._peers) == 0 and len(conn.backend._peers) == 0

@@ -98,11 +98,11 @@ def test_each_hostile_kind_alone(run_with_plugins: RunPy, name: str) -> None:
 
 
 def test_the_per_child_mode_reports_the_same(run_with_plugins: RunPy) -> None:
-    """One ``python -m kvwire.isolation`` per backend (the mode used where fork is not) says the same things."""
+    """One ``python -m kvwire.registry.isolation`` per backend (used where fork is not) says the same things."""
     script = textwrap.dedent(
         f"""
         import json, kvwire
-        from kvwire.isolation import check_isolated
+        from kvwire.registry.isolation import check_isolated
         registry = kvwire.Registry(allow={sorted(HOSTILE)!r}, policy="quarantine")
         infos = check_isolated(registry, 2.0, fork=False)
         print(json.dumps({{i.name: [i.status, i.error] for i in infos if i.status != "blocked"}}))

@@ -64,7 +64,7 @@ def test_adapted_backend_refuses_later_feature_before_call(registry: kvwire.Regi
         conn.send_kvcache("p", idx, [1], idx, None, None, np.array([2], np.int32))
     assert str(exc.value) == (
         "backend 'old' (spec 1.1) does not support 'device_kv_indices', needed for dst_device_kv_indices; "
-        "nothing was sent"
+        "nothing was sent. Use a backend that supports it (pip install kvwire-hisparse)"
     )
     assert conn.backend.calls == []
     assert conn.send_kvcache("p", idx, [1], idx, None, [0]) == 0  # layer ids are 1.1: they pass
@@ -199,7 +199,7 @@ def test_connection_arguments_are_checked(registry: kvwire.Registry) -> None:
     with pytest.raises(kvwire.ConfigError, match=r"^config must be a kvwire.BackendConfig, got dict$"):
         registry.connect("recorder", {"host": "x"})  # type: ignore[arg-type]
     conn = registry.connect("recorder")
-    with pytest.raises(kvwire.ConfigError, match=r"^session_id must be a non-empty str, got ''$"):
+    with pytest.raises(kvwire.InvalidTransferError, match=r"^session_id must be a non-empty str, got ''$"):
         conn.add_peer("", _layout())
     with pytest.raises(kvwire.ConfigError, match=r"^layout must be a kvwire.KVLayout, got str$"):
         conn.add_peer("p", "layout")  # type: ignore[arg-type]
@@ -228,7 +228,7 @@ def test_remove_peer_reaches_the_backend_and_forgets_the_layout(registry: kvwire
     assert [c[0] for c in conn.backend.calls] == ["register_kv_buffers", "add_peer", "remove_peer"]
     idx = np.array([1], np.int32)
     conn.send_kvcache("p", idx, [4096], idx, dst_kv_item_len=1)  # no layout recorded any more: not checked here
-    with pytest.raises(kvwire.ConfigError, match=r"^session_id must be a non-empty str, got 3$"):
+    with pytest.raises(kvwire.InvalidTransferError, match=r"^session_id must be a non-empty str, got int$"):
         conn.remove_peer(3)  # type: ignore[arg-type]
 
 

@@ -174,7 +174,7 @@ def test_malformed_tp_fields_are_layout_errors(extra: str, message: str) -> None
 
 
 def test_peer_description_carries_the_tp_fields() -> None:
-    from kvwire.peer import PeerDescription
+    from kvwire.layout.peer import PeerDescription
 
     heads = HeadLayout(1, 2, 4, 2, 2)
     layout = KVLayout((KVBuffer(4096, 16, 4, 0, "k"), KVBuffer(8192, 16, 4, 0, "v")), 2, 1, heads)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import kvwire
-from kvwire import KVLayout, telemetry
+from kvwire import KVLayout
+from kvwire.transport import telemetry
 
 prometheus_client = pytest.importorskip("prometheus_client", reason="pip install 'kvwire[metrics]'")
 
@@ -97,7 +98,7 @@ def test_descriptor_counts_and_times_come_from_the_backend_telemetry(scrape: tup
     finally:
         sender.conn.close()
         receiver.conn.close()
-    assert record is not None, "TransportBackend.send_kvcache does not publish kvwire.telemetry records"
+    assert record is not None, "TransportBackend.send_kvcache does not publish kvwire.transport.telemetry records"
     assert (record.session_id, record.nbytes, record.descriptors, record.descriptors_before) == (
         receiver.endpoint,
         2 * PAGE * 2,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvwire
-from kvwire.findings import BackendOrigin
+from kvwire.registry.findings import BackendOrigin
 from kvwire.testing.receiver import LayoutSpec
 
 from backends_for_tests import Recorder

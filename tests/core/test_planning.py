@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from kvwire import planning
 from kvwire.errors import InvalidTransferError
 from kvwire.layout import KVBuffer, KVLayout
 from kvwire.planning import TransferPlan, plan_transfer
+from kvwire.planning import planner as planning
 
 
 def idx(*values: int, dtype: Any = np.int32) -> NDArray[Any]:

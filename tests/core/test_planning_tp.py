@@ -6,7 +6,7 @@ token-major pages: tokens x local heads x head bytes), plan every routed
 every byte with a naive per-token, per-head oracle; the plans are also compared
 descriptor by descriptor (split into single heads) with the oracle's list. The
 routing and the "each head once" rule are restated here naively, from the
-documentation of :mod:`kvwire.slicing`, not imported from it.
+documentation of :mod:`kvwire.planning.head_slicing`, not imported from it.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ import json
 import pytest
 
 import kvwire
-from kvwire import spec_view
-from kvwire.capabilities import FEATURES
+from kvwire.cli import spec_command as spec_view
 from kvwire.spec import SPEC_HISTORY, SPEC_VERSION, spec_hooks
+from kvwire.spec.capabilities import FEATURES
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""``kvwire.protocol.BackendProtocol``: equal to the hookspecs, and what ``mypy --strict`` reports with it.
+"""``kvwire.spec.protocol.BackendProtocol``: equal to the hookspecs, and what ``mypy --strict`` reports with it.
 
 mypy reports a missing parameter and a renamed one; it does not compare default
 values, so a wrong default passes mypy and is left to the load-time validator
@@ -20,9 +20,9 @@ from types import ModuleType
 import pytest
 
 import kvwire
-from kvwire.findings import BackendOrigin
-from kvwire.protocol import BackendProtocol
+from kvwire.registry.findings import BackendOrigin
 from kvwire.spec import CURRENT, HOOK_FEATURES, BackendSpec, spec_hooks
+from kvwire.spec.protocol import BackendProtocol
 
 Shape = list[tuple[str, object, object, object]]
 
@@ -74,7 +74,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 import kvwire
-from kvwire.protocol import BackendProtocol
+from kvwire.spec.protocol import BackendProtocol
 
 
 class Backend:

@@ -102,7 +102,8 @@ def test_invalid_input_is_refused_synchronously_and_nothing_is_queued(gated: Pai
     with pytest.raises(kvwire.InvalidTransferError) as exc:
         gated.submit([1, 64])
     assert str(exc.value) == "prefill_kv_indices[1] = 64 is out of range: local buffer 0 (layer 0, k) has 64 pages"
-    with pytest.raises(kvwire.InvalidTransferError, match=r"^session_id 'nobody' is unknown: call add_peer\(\) first$"):
+    unknown = r"^session_id 'nobody' is unknown: call add_peer\(session_id, layout\) first \(known: "
+    with pytest.raises(kvwire.InvalidTransferError, match=unknown):
         gated.sender.submit_kvcache("nobody", np.array([1], np.int32), gated.ptrs, np.array([1], np.int32))
     assert not GatedTransport.started.acquire(timeout=0.2)  # no write ever started
     GatedTransport.gate.set()
@@ -122,13 +123,26 @@ def test_many_submissions_from_several_threads_each_complete_with_verified_bytes
     assert pair.pages_equal(range(64))
 
 
+class _NamingPool(ThreadPoolExecutor):
+    """Records the thread each submitted job runs on, from inside the job (no race with its completion)."""
+
+    def __init__(self) -> None:
+        super().__init__(1, thread_name_prefix="host-pool")
+        self.ran_on: list[str] = []
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
+        def named() -> Any:
+            self.ran_on.append(threading.current_thread().name)
+            return fn(*args, **kwargs)
+
+        return super().submit(named)
+
+
 def test_the_callers_executor_runs_the_send(pair: Pair) -> None:
-    names: list[str] = []
-    with ThreadPoolExecutor(1, thread_name_prefix="host-pool") as pool:
+    with _NamingPool() as pool:
         future = pair.submit(range(4), executor=pool)
-        future.add_done_callback(lambda f: names.append(threading.current_thread().name))
         assert future.result(timeout=10) == 4 * 4096 * 4
-    assert names and names[0].startswith("host-pool")
+    assert len(pool.ran_on) == 1 and pool.ran_on[0].startswith("host-pool")
 
 
 def test_cancel_before_start_is_honoured_and_after_start_is_refused(gated: Pair) -> None:

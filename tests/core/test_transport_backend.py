@@ -71,7 +71,9 @@ def test_direct_call_refuses_features_the_backend_does_not_declare() -> None:
     sender = NoLayerIds(BackendConfig())
     with pytest.raises(kvwire.UnsupportedFeatureError) as exc:
         sender.send_kvcache("p", IDX, [1], IDX, None, [0])
-    assert str(exc.value) == "backend NoLayerIds does not support 'layer_ids' (passed dst_layer_ids); nothing was sent"
+    assert str(exc.value) == (
+        "backend 'NoLayerIds' does not support 'layer_ids', needed for dst_layer_ids; nothing was sent"
+    )
 
 
 class _Recording(Transport):

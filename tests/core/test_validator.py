@@ -11,8 +11,8 @@ import pytest
 from numpy.typing import NDArray
 
 import kvwire
-from kvwire.annotations import annotation_key
-from kvwire.findings import BackendOrigin
+from kvwire.registry.annotations import annotation_key
+from kvwire.registry.findings import BackendOrigin
 
 from backends_for_tests import Recorder, Recorder11
 
@@ -180,10 +180,7 @@ def test_capability_findings_show_both_sides() -> None:
 def test_raw_write_capability_needs_the_method() -> None:
     cls = type("Raw", (Recorder,), {"capabilities": frozenset({"mha", "raw_write"})})
     (finding,) = kvwire.validate_backend(cls, ORIGIN).findings
-    assert (finding.rule, finding.message) == (
-        "capabilities",
-        "declares 'raw_write' but has no `raw_write(session_id, plan)` method",
-    )
+    assert (finding.rule, finding.message) == ("missing-method", "declares 'raw_write' but has no `raw_write` method")
 
 
 def test_a_base_written_for_the_current_spec_serves_a_backend_declaring_an_older_one() -> None:

@@ -1,4 +1,4 @@
-"""kvwire.about: versions from metadata (one source per distribution) and Mooncake engine-wheel clashes."""
+"""kvwire.registry.installed: versions from metadata (one source per distribution) and Mooncake engine-wheel clashes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import kvwire
-from kvwire import about
+from kvwire.registry import installed as about
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 

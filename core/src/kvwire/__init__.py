@@ -8,11 +8,8 @@ group ``kvwire.backends``. Users call :func:`connect`. Every backend is
 validated against the spec when it loads.
 """
 
-from kvwire.about import core_version
-from kvwire.base import RawWriter, Transport, TransportBackend
-from kvwire.capabilities import FEATURES
 from kvwire.config import BackendConfig
-from kvwire.connection import Connection
+from kvwire.connection.connection import Connection
 from kvwire.errors import (
     BackendDriftError,
     BackendError,
@@ -28,19 +25,28 @@ from kvwire.errors import (
     TransferTimeoutError,
     UnsupportedFeatureError,
 )
-from kvwire.findings import Finding
-from kvwire.futures import TransferFuture
-from kvwire.layout import HeadLayout, KVBuffer, KVLayout, LayoutError
-from kvwire.markers import ENTRY_POINT_GROUP, hookimpl, hookspec
-from kvwire.notifications import MAX_NOTIFICATION_BYTES, Notification
-from kvwire.peer import PeerDescription
-from kvwire.planning import TransferPlan, TransferRequest, plan_transfer
-from kvwire.protocol import BackendProtocol
-from kvwire.regions import RegionSet
-from kvwire.registry import BackendInfo, Registry, connect, default_registry, register_backend
-from kvwire.spec import SPEC_HISTORY, SPEC_VERSION, BackendSpec, SpecVersion
-from kvwire.validator import ValidationResult, validate_backend
-from kvwire.watcher import Arrival, NotificationWatcher
+from kvwire.layout.buffers import HeadLayout, KVBuffer, LayoutError
+from kvwire.layout.kv_layout import KVLayout
+from kvwire.layout.peer import PeerDescription
+from kvwire.planning.plan import TransferPlan
+from kvwire.planning.planner import plan_transfer
+from kvwire.registry.findings import Finding
+from kvwire.registry.installed import core_version
+from kvwire.registry.loading import BackendInfo
+from kvwire.registry.manager import Registry, connect, default_registry, register_backend
+from kvwire.registry.validator import ValidationResult, validate_backend
+from kvwire.spec.capabilities import FEATURES
+from kvwire.spec.history import SPEC_HISTORY, SPEC_VERSION, SpecVersion
+from kvwire.spec.hooks import BackendSpec
+from kvwire.spec.pluggy_project import ENTRY_POINT_GROUP, hookimpl, hookspec
+from kvwire.spec.protocol import BackendProtocol
+from kvwire.spec.request import TransferRequest
+from kvwire.submit.futures import TransferFuture
+from kvwire.submit.notifications import MAX_NOTIFICATION_BYTES, Notification
+from kvwire.submit.watcher import Arrival, NotificationWatcher
+from kvwire.transport.backend import TransportBackend
+from kvwire.transport.interface import RawWriter, Transport
+from kvwire.transport.regions import RegionSet
 
 __version__ = core_version()  # from the installed metadata: pyproject.toml is the one source
 

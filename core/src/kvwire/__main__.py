@@ -2,6 +2,6 @@
 
 import sys
 
-from kvwire.cli import main
+from kvwire.cli.main import main
 
 sys.exit(main())

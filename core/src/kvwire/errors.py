@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvwire.findings import Finding
+    from kvwire.registry.findings import Finding
 
 __all__ = [
     "BackendDriftError",

@@ -14,7 +14,7 @@ Exported (labels ``backend`` and ``peer``; ``error`` on failures):
 * ``kvwire_send_seconds``: latency of the hook as the caller sees it, failures included
 * ``kvwire_send_descriptors_total``, ``kvwire_send_descriptors_before_coalescing_total``,
   ``kvwire_send_planning_seconds``, ``kvwire_send_transfer_seconds`` (``backend`` only):
-  from :mod:`kvwire.telemetry`, for backends that publish it (those built on
+  from :mod:`kvwire.transport.telemetry`, for backends that publish it (those built on
   :class:`kvwire.TransportBackend`)
 
 Label cardinality is bounded: the first ``max_peers`` distinct peers of a
@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
-from kvwire import telemetry
 from kvwire.errors import BackendError, KvwireError
-from kvwire.markers import hookimpl
-from kvwire.once import ProcessWide
+from kvwire.process_wide import ProcessWide
+from kvwire.spec.pluggy_project import hookimpl
+from kvwire.transport import telemetry
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -122,7 +122,7 @@ def _error_label(exc: BaseException) -> str:
 
 
 class MetricsMiddleware:
-    """Wraps ``send_kvcache``: counts, times and reads the backend's :mod:`kvwire.telemetry` record."""
+    """Wraps ``send_kvcache``: counts, times and reads the backend's :mod:`kvwire.transport.telemetry` record."""
 
     def __init__(self, metrics: Metrics, backend: str) -> None:
         self.metrics = metrics

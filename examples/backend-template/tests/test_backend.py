@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import kvwire
-from kvwire.findings import BackendOrigin
+from kvwire.registry.findings import BackendOrigin
 from kvwire_template.backend import TemplateBackend
 
 

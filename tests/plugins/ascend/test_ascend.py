@@ -92,8 +92,8 @@ def test_direct_call_with_device_indices_is_refused_before_anything_moves() -> N
     with pytest.raises(kvwire.UnsupportedFeatureError) as exc:
         backend.send_kvcache("nowhere:1", idx, [1], idx, None, None, idx)
     assert str(exc.value) == (
-        "backend AscendBackend does not support 'device_kv_indices' (passed dst_device_kv_indices); nothing was "
-        "sent. Use a backend that supports it (pip install kvwire-hisparse)"
+        "backend 'AscendBackend' does not support 'device_kv_indices', needed for dst_device_kv_indices; nothing "
+        "was sent. Use a backend that supports it (pip install kvwire-hisparse)"
     )
     backend.close()
 

@@ -54,7 +54,8 @@ def test_the_plugin_uses_only_kvwires_public_api() -> None:
 def test_the_checker_catches_what_it_must(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text(
-        "import kvwire\nimport kvwire.planning\nfrom kvwire.base import Transport\nfrom kvwire import _internal\n"
+        "import kvwire\nimport kvwire.planning\nfrom kvwire.transport import Transport\n"
+        "from kvwire import _internal\n"
         "from kvwire_mooncake import MooncakeBackend\nx = kvwire.registry\ny = kvwire._private\nz = kvwire.Transport\n"
     )
     assert len(_findings(bad)) == 6

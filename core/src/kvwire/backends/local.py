@@ -20,12 +20,13 @@ import threading
 import weakref
 from collections import deque
 
-from kvwire.base import Transport, TransportBackend
 from kvwire.config import BackendConfig
 from kvwire.errors import PeerUnreachableError
-from kvwire.notifications import Notification
-from kvwire.planning import TransferPlan
-from kvwire.regions import RegionSet
+from kvwire.planning.plan import TransferPlan
+from kvwire.submit.notifications import Notification
+from kvwire.transport.backend import TransportBackend
+from kvwire.transport.interface import Transport
+from kvwire.transport.regions import RegionSet
 
 __all__ = ["LocalBackend", "LocalTransport"]
 

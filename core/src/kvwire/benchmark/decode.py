@@ -27,10 +27,10 @@ from kvwire.benchmark.presets import get_preset
 from kvwire.config import BackendConfig
 from kvwire.connection import Connection
 from kvwire.control import accept_one, parse_address, read_command, reply, serve
-from kvwire.layout import MemoryKind
-from kvwire.peer import PeerDescription
-from kvwire.registry import connect
-from kvwire.watcher import NotificationWatcher
+from kvwire.layout.buffers import MemoryKind
+from kvwire.layout.peer import PeerDescription
+from kvwire.registry.manager import connect
+from kvwire.submit.watcher import NotificationWatcher
 from kvwire.workload.memory import KVMemory, allocate
 
 PageSets = list[tuple[MemoryKind | None, NDArray[np.int64]]]

@@ -36,8 +36,8 @@ from kvwire.benchmark.results import summary
 from kvwire.connection import Connection
 from kvwire.control import Channel
 from kvwire.errors import ConfigError
-from kvwire.layout import KVLayout
-from kvwire.planning import plan_transfer
+from kvwire.layout.kv_layout import KVLayout
+from kvwire.planning.planner import plan_transfer
 from kvwire.workload.fragment import place, run_lengths
 from kvwire.workload.memory import KVMemory
 

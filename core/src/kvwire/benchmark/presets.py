@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvwire.errors import ConfigError
-from kvwire.layout import HeadLayout, KVLayout, MemoryKind, Role
+from kvwire.layout.buffers import HeadLayout, MemoryKind, Role
+from kvwire.layout.kv_layout import KVLayout
 from kvwire.workload.memory import BufferEntry
 
 __all__ = ["PRESETS", "Preset", "get_preset"]

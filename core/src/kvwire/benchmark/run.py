@@ -35,10 +35,10 @@ from kvwire.config import BackendConfig
 from kvwire.connection import Connection
 from kvwire.control import Channel, ChildProcess, PeerConnection, parse_address
 from kvwire.errors import ConfigError
-from kvwire.layout import KVLayout
-from kvwire.peer import PeerDescription
-from kvwire.planning import plan_transfer
-from kvwire.registry import connect, default_registry
+from kvwire.layout.kv_layout import KVLayout
+from kvwire.layout.peer import PeerDescription
+from kvwire.planning.planner import plan_transfer
+from kvwire.registry.manager import connect, default_registry
 from kvwire.workload.fragment import place, run_lengths
 from kvwire.workload.memory import KVMemory, allocate
 

@@ -32,9 +32,9 @@ from kvwire.config import BackendConfig
 from kvwire.connection import Connection
 from kvwire.control import ChildProcess
 from kvwire.errors import ConfigError
-from kvwire.peer import PeerDescription
-from kvwire.planning import plan_transfer
-from kvwire.registry import connect
+from kvwire.layout.peer import PeerDescription
+from kvwire.planning.planner import plan_transfer
+from kvwire.registry.manager import connect
 from kvwire.workload.fragment import place, run_lengths
 from kvwire.workload.memory import KVMemory, allocate, digest
 

@@ -24,7 +24,8 @@ import numpy.typing as npt
 
 from kvwire.connection import Connection
 from kvwire.errors import InvalidTransferError, KvwireError, PeerUnreachableError, TransferTimeoutError
-from kvwire.layout import HeadLayout, KVBuffer, KVLayout, LayoutError, MemoryKind, Role
+from kvwire.layout.buffers import HeadLayout, KVBuffer, LayoutError, MemoryKind, Role
+from kvwire.layout.kv_layout import KVLayout
 
 __all__ = ["STATUS_CODES", "KvwireSendMixin", "SglangSender", "layout_from_kv_args", "status_of"]
 

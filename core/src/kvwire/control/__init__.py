@@ -5,7 +5,7 @@ object per line, no pickle on the wire; over a child's stdin/stdout
 (:class:`ChildProcess`) or a TCP connection to another machine
 (:class:`PeerConnection`). The other end may be buggy or hostile, so the parent
 reads bytes on demand with a deadline, a line length, a buffer size and a
-nesting depth (:mod:`kvwire.jsonlines`): whatever the peer does ends in one
+nesting depth (:mod:`kvwire.control.jsonlines`): whatever the peer does ends in one
 :class:`ControlError` naming it, never a hang or unbounded memory. After a
 protocol violation the channel is poisoned (every later call raises the same
 error). A peer reports its own failure as ``{"error": "..."}``.

@@ -16,8 +16,7 @@ from collections import deque
 from typing import Any
 
 from kvwire.control.errors import ControlClosedError, ControlError, ControlProtocolError, ControlTimeoutError
-from kvwire.errors import ConfigError
-from kvwire.jsonlines import (
+from kvwire.control.jsonlines import (
     DEFAULT_MAX_BUFFERED,
     DEFAULT_MAX_DEPTH,
     DEFAULT_MAX_LINE,
@@ -25,6 +24,7 @@ from kvwire.jsonlines import (
     parse_object,
     preview,
 )
+from kvwire.errors import ConfigError
 
 __all__ = ["Channel"]
 

@@ -15,8 +15,8 @@ from typing import IO
 
 from kvwire.control.channel import Channel
 from kvwire.control.errors import ControlClosedError, ControlError
+from kvwire.control.jsonlines import DEFAULT_MAX_BUFFERED, DEFAULT_MAX_DEPTH, DEFAULT_MAX_LINE
 from kvwire.errors import ConfigError
-from kvwire.jsonlines import DEFAULT_MAX_BUFFERED, DEFAULT_MAX_DEPTH, DEFAULT_MAX_LINE
 
 __all__ = ["PeerConnection", "accept_one", "parse_address"]
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from kvwire.control.channel import Channel
 from kvwire.control.errors import ControlClosedError, ControlError
-from kvwire.jsonlines import DEFAULT_MAX_BUFFERED, DEFAULT_MAX_DEPTH, DEFAULT_MAX_LINE, preview
+from kvwire.control.jsonlines import DEFAULT_MAX_BUFFERED, DEFAULT_MAX_DEPTH, DEFAULT_MAX_LINE, preview
 
 __all__ = ["ChildProcess"]
 

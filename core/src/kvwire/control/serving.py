@@ -2,7 +2,7 @@
 
 The same functions serve a child process over stdin/stdout and a decode process
 over a TCP connection (pass the connection's binary reader and text writer).
-Every line is bounded and parsed by :func:`kvwire.jsonlines.parse_object`; a bad
+Every line is bounded and parsed by :func:`kvwire.control.jsonlines.parse_object`; a bad
 line or a failing handler is answered with ``{"error": ...}``, never a crash.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 from kvwire.control.errors import ControlProtocolError
-from kvwire.jsonlines import DEFAULT_MAX_DEPTH, DEFAULT_MAX_LINE, LineError, parse_object, preview
+from kvwire.control.jsonlines import DEFAULT_MAX_DEPTH, DEFAULT_MAX_LINE, LineError, parse_object, preview
 
 __all__ = ["Handler", "read_command", "reply", "serve"]
 

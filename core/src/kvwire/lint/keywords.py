@@ -9,10 +9,10 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from kvwire.lint.classes import ClassInfo, Function
+from kvwire.lint.classes import ClassInfo
 from kvwire.lint.findings import Caller, LintFinding
 from kvwire.lint.pair import Pair
-from kvwire.lint.signature import decorator_names
+from kvwire.lint.signature import Function, decorator_names
 
 __all__ = ["SelfCalls", "keyword_findings"]
 

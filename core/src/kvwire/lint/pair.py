@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvwire.lint.classes import ClassInfo, Function
+from kvwire.lint.classes import ClassInfo
 from kvwire.lint.findings import Caller, LintFinding, LintRule
-from kvwire.lint.signature import Signature
+from kvwire.lint.signature import Function, Signature
 
 __all__ = ["Pair"]
 

@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvwire.capabilities import FEATURES
 from kvwire.errors import InvalidTransferError, UnsupportedFeatureError
-from kvwire.spec import PARAMETER_FEATURES, known_versions
+from kvwire.registry.validator import validate_backend
+from kvwire.spec.capabilities import FEATURES
+from kvwire.spec.history import PARAMETER_FEATURES, known_versions
 from kvwire.testing.harness import ContractHarness, Pair
 from kvwire.testing.receiver import LayoutSpec
-from kvwire.validator import validate_backend
 from kvwire.workload.fragment import fragmented_pages
 
 __all__ = [

@@ -1,6 +1,6 @@
 """The sending (prefill) side of a contract test, and the byte-level oracle.
 
-The oracle is a plain per-page loop, independent of :mod:`kvwire.planning`,
+The oracle is a plain per-page loop, independent of :mod:`kvwire.planning.planner`,
 so the kit checks the planner as much as the backend.
 """
 
@@ -15,9 +15,9 @@ from numpy.typing import NDArray
 
 from kvwire.config import BackendConfig
 from kvwire.connection import Connection
-from kvwire.futures import TransferFuture
-from kvwire.layout import KVLayout
-from kvwire.registry import connect, default_registry
+from kvwire.layout.kv_layout import KVLayout
+from kvwire.registry.manager import connect, default_registry
+from kvwire.submit.futures import TransferFuture
 from kvwire.testing.receiver import InProcessReceiver, LayoutSpec, Receiver, SubprocessReceiver, buffer_digests
 from kvwire.workload.fragment import fragmented_pages
 from kvwire.workload.memory import KVMemory, digest

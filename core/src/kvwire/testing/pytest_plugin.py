@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from kvwire.config import BackendConfig
-from kvwire.loading import did_you_mean
-from kvwire.registry import installed_backends
+from kvwire.registry.loading import did_you_mean
+from kvwire.registry.manager import installed_backends
 from kvwire.testing.harness import ContractHarness
 
 

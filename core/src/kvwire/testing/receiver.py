@@ -20,10 +20,11 @@ from numpy.typing import NDArray
 from kvwire.config import BackendConfig
 from kvwire.connection import Connection
 from kvwire.control import ChildProcess, ControlProtocolError, reply, serve
-from kvwire.layout import HeadLayout, KVLayout, MemoryKind, Role
-from kvwire.peer import PeerDescription
-from kvwire.watcher import Arrival as WatchedArrival
-from kvwire.watcher import NotificationWatcher
+from kvwire.layout.buffers import HeadLayout, MemoryKind, Role
+from kvwire.layout.kv_layout import KVLayout
+from kvwire.layout.peer import PeerDescription
+from kvwire.submit.watcher import Arrival as WatchedArrival
+from kvwire.submit.watcher import NotificationWatcher
 from kvwire.workload.memory import KVMemory, allocate, digest
 
 __all__ = [
@@ -139,7 +140,7 @@ class InProcessReceiver:
     """A receiver in this process (for in-process backends such as ``local``)."""
 
     def __init__(self, backend: str, spec: LayoutSpec, seed: int, config: BackendConfig | None = None) -> None:
-        from kvwire.registry import connect
+        from kvwire.registry.manager import connect
 
         self.memory = spec.allocate(seed)
         self.layout = self.memory.layout

@@ -18,7 +18,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.errors import ConfigError
-from kvwire.layout import KVBuffer, KVLayout, MemoryKind, Role
+from kvwire.layout.buffers import KVBuffer, MemoryKind, Role
+from kvwire.layout.kv_layout import KVLayout
 
 __all__ = ["Backing", "BufferEntry", "KVMemory", "allocate", "digest"]
 

@@ -1,0 +1,164 @@
+"""The ``kvwire`` command: validate backends, print the spec, lint a host's source, move a KV cache.
+
+Exit status of every subcommand: 0 success, 1 a failed check (drift, findings,
+an unverified transfer), 2 a usage or runtime error (one line, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import math
+import os
+import sys
+from collections.abc import Sequence
+
+from kvwire.errors import ConfigError, KvwireError
+from kvwire.registry.installed import VersionAction, engine_conflict
+from kvwire.registry.isolation import DEFAULT_TIMEOUT, check_isolated
+from kvwire.registry.loading import BackendInfo
+from kvwire.registry.manager import Registry, allow_list_error, installed_backends
+
+__all__ = ["main"]
+
+_SIGPIPE_EXIT = 128 + 13  # what a shell reports for a process ended by SIGPIPE
+
+
+def _check_table(infos: Sequence[BackendInfo]) -> str:
+    headers = ("backend", "distribution", "version", "spec", "status", "submit", "capabilities")
+    rows = [
+        (
+            i.name,
+            i.distribution or "(runtime)",
+            i.version or "-",
+            i.spec_version or "-",
+            i.status,
+            i.submission or "-",
+            ",".join(sorted(i.capabilities)) or "-",
+        )
+        for i in infos
+    ]
+    widths = [max(len(h), *(len(r[c]) for r in rows)) if rows else len(h) for c, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    for info, row in zip(infos, rows):
+        lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
+        notes = [info.runtime] if info.runtime and info.runtime != "available" else []
+        if info.error and info.status != "drift":
+            notes.append(info.error)
+        for note in notes:
+            lines.append(f"    {note}")
+        for finding in info.findings:
+            lines.extend("    " + line for line in finding.render().splitlines())
+    return "\n".join(lines)
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    logging.getLogger("kvwire").addHandler(logging.NullHandler())  # the report below says it all, once
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ConfigError(f"--timeout must be a finite number of seconds > 0, got {args.timeout:g}")
+    allow = None
+    if args.backends is not None:
+        allow = [n.strip() for n in args.backends.split(",") if n.strip()]
+        if not allow:
+            raise ConfigError(
+                f"--backends {args.backends!r} names no backend; give backend names separated by commas "
+                f"(installed: {', '.join(installed_backends()) or 'none'}), or leave it out to check all of them"
+            )
+    registry = Registry(allow=allow, policy="quarantine")
+    unknown = registry.unknown_allowed()
+    infos = check_isolated(registry, args.timeout)  # each backend in a child: a plugin cannot take the check down
+    if args.json:
+        print(json.dumps([i.to_dict() for i in infos], indent=2))
+    else:
+        print(_check_table(infos) if infos else "no kvwire backends installed")
+    passing = ("ok",) if args.strict else ("ok", "adapted")
+    failed = [i for i in infos if i.status != "blocked" and i.status not in passing]
+    if not args.json:
+        total = len([i for i in infos if i.status != "blocked"]) + len(unknown)
+        passed = total - len(failed) - len(unknown)
+        print(f"\n{passed}/{total} allowed backend(s) pass" + (" (--strict)" if args.strict else ""))
+    if unknown:
+        source = "--backends" if allow is not None else registry.allow_source
+        print(f"kvwire check: error: {allow_list_error(source, unknown, installed_backends())}", file=sys.stderr)
+    clash = engine_conflict()  # two Mooncake engine wheels overwrite each other's files
+    if clash:
+        print(f"kvwire check: error: {clash}", file=sys.stderr)
+    return 1 if failed or unknown or clash else 0
+
+
+#: name -> (help, description, module with ``add_arguments(parser)`` and ``run(args) -> int``)
+_SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "spec": (
+        "print the backend hook spec of a version, or what changed between two",
+        "Print every hook's signature, the capabilities and the version history of the backend spec "
+        "(--version for an older one, --diff OLD NEW for the changes, --json for tools). Exit status: 0, or 2 "
+        "for an unknown version.",
+        "kvwire.cli.spec_command",
+    ),
+    "bench": (
+        "move a realistic KV cache between a prefill and a decode process",
+        "The main job: allocate a model preset's KV pools on a prefill and a decode side (a local child, or "
+        "--role decode on another machine), send fragmented requests through a backend, verify the target pages "
+        "and their guard pages on the decode side, and print throughput, latency and the compared modes. Exit "
+        "status: 0 verified, 1 a verification failed, 2 usage or transfer error.",
+        "kvwire.benchmark.run",
+    ),
+    "lint": (
+        "find overrides whose signature drifted from the method they override, in a source tree (ast only)",
+        "Read a Python source tree with ast (nothing is imported) and report every override that does not accept "
+        "a parameter of the method it overrides, and every keyword a call through self. in the base passes that "
+        "an override lacks. Exit status: 0 no finding, 1 findings, 2 usage error.",
+        "kvwire.lint.cli",
+    ),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvwire", description=__doc__)
+    parser.add_argument("--version", action=VersionAction)
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser(
+        "check",
+        help="validate every installed backend against the hook spec",
+        description="Import, validate and ask the availability of every installed (allowed) backend, each in an "
+        "isolated child process with a time limit. Exit status: 0 every allowed backend is ok (or adapted, "
+        "without --strict), 1 one is not, or an allow-listed name is not installed, or two Mooncake engine "
+        "wheels are installed; 2 usage error.",
+    )
+    check.add_argument("--json", action="store_true", help="print a JSON list of backends")
+    check.add_argument("--strict", action="store_true", help="fail on 'adapted' backends too")
+    check.add_argument("--backends", default=None, help="comma-separated allow-list (default: $KVWIRE_BACKENDS)")
+    check.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help=f"time limit of each backend's import, validation and availability() (default: {DEFAULT_TIMEOUT:g})",
+    )
+    check.set_defaults(func=_cmd_check)
+    for name, (summary, description, module) in _SUBCOMMANDS.items():
+        command = sub.add_parser(name, help=summary, description=description)
+        handler = importlib.import_module(module)
+        handler.add_arguments(command)
+        command.set_defaults(func=handler.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvwire`` console script."""
+    args = _parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+        sys.stdout.flush()
+    except KvwireError as exc:  # bad arguments, a missing backend, a failed transfer: one line, no traceback
+        print(f"kvwire {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # the reader left (`kvwire check --json | head -1`): stop quietly, as SIGPIPE would
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's last flush has somewhere to go
+        os.close(devnull)
+        return _SIGPIPE_EXIT
+    return code

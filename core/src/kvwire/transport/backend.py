@@ -1,0 +1,207 @@
+"""``TransportBackend``: the spec hooks implemented once, over a transport's engine-facing operations.
+
+A backend built on it supplies a :class:`kvwire.Transport` (register memory,
+write one plan, its endpoint, close; optionally submit a plan without blocking
+and carry notifications) and declares its own ``spec_version`` and
+``capabilities`` (``submit`` and ``notifications`` when its transport offers
+them); the base does the rest the same way for every backend: the local and
+peer layouts, the refusal of arguments for features the backend does not
+declare, planning (with every bounds check) through the core planner, and
+all-or-nothing registration.
+
+Inheritance is what broke sglang (#33523): an override silently lost a
+parameter. Here every backend class is validated when it loads, inherited hooks
+included, and so is its transport class against :class:`kvwire.Transport`; a
+spec change is made once, here, instead of in every backend.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from concurrent.futures import Executor, Future
+from contextlib import suppress
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvwire.config import BackendConfig
+from kvwire.errors import InvalidTransferError, KvwireError, UnsupportedFeatureError
+from kvwire.layout.kv_layout import KVLayout
+from kvwire.layout.peer_table import PeerTable
+from kvwire.planning.plan import TransferPlan
+from kvwire.planning.planner import plan_request
+from kvwire.spec.capabilities import refuse_lacking
+from kvwire.spec.pluggy_project import hookimpl
+from kvwire.spec.request import TransferRequest
+from kvwire.submit.futures import TransferFuture, follow, run_into
+from kvwire.submit.notifications import Notification
+from kvwire.transport import telemetry
+from kvwire.transport.interface import RawWriter, Transport
+
+__all__ = ["TransportBackend"]
+
+
+class TransportBackend(ABC):
+    """A kvwire backend made of a :class:`Transport`; subclasses implement :meth:`open_transport`.
+
+    Subclasses declare ``spec_version`` and ``capabilities`` like any backend;
+    the validator checks each subclass on its own, inherited hooks included.
+    """
+
+    def __init__(self, config: BackendConfig) -> None:
+        self.config = config
+        self.transport = self.open_transport(config)
+        self._lock = threading.Lock()
+        self._local: KVLayout | None = None
+        self._peers = PeerTable()
+
+    @abstractmethod
+    def open_transport(self, config: BackendConfig) -> Transport:
+        """Create the transport (heavy engine imports belong here, not at module import)."""
+
+    # -- spec hooks -----------------------------------------------------------
+
+    @hookimpl
+    def register_kv_buffers(self, layout: KVLayout) -> None:
+        """Register every buffer of ``layout``, replacing the previous layout; all or nothing."""
+        with self._lock:
+            previous, self._local = self._local, None
+        if previous is not None:
+            self._unregister([b.base for b in previous.buffers])
+        done: list[int] = []
+        try:
+            for buf in layout.buffers:
+                self.transport.register_memory(buf.base, buf.nbytes)
+                done.append(buf.base)
+        except BaseException:
+            with suppress(KvwireError):
+                self._unregister(done)
+            raise
+        with self._lock:
+            self._local = layout
+
+    @hookimpl
+    def endpoint(self) -> str:
+        return self.transport.endpoint
+
+    @hookimpl
+    def add_peer(self, session_id: str, layout: KVLayout) -> None:
+        self.transport.add_peer(session_id, layout)
+        self._peers.add(session_id, layout)
+
+    @hookimpl
+    def remove_peer(self, session_id: str) -> None:
+        self._peers.remove(session_id)
+        self.transport.forget_peer(session_id)
+
+    @hookimpl
+    def send_kvcache(
+        self,
+        session_id: str,
+        prefill_kv_indices: NDArray[np.int32],
+        dst_kv_ptrs: Sequence[int],
+        dst_kv_indices: NDArray[np.int32],
+        executor: Executor | None,
+        dst_layer_ids: Sequence[int] | None = None,
+        dst_device_kv_indices: NDArray[np.int32] | None = None,
+        dst_kv_item_len: int | None = None,
+        dst_attn_tp_size: int | None = None,
+    ) -> int:
+        request = TransferRequest.received(
+            prefill_kv_indices=prefill_kv_indices,
+            dst_kv_ptrs=dst_kv_ptrs,
+            dst_kv_indices=dst_kv_indices,
+            dst_layer_ids=dst_layer_ids,
+            dst_device_kv_indices=dst_device_kv_indices,
+            dst_kv_item_len=dst_kv_item_len,
+            dst_attn_tp_size=dst_attn_tp_size,
+        )
+        self._refuse_unsupported(request.features())
+        local, peer = self._layouts(session_id)
+        started = telemetry.clock()
+        plan = plan_request(request, local, peer)
+        planned = telemetry.clock()
+        if len(plan):
+            self.transport.write(session_id, plan)
+        telemetry.publish(session_id, plan, started, planned)
+        return plan.nbytes
+
+    @hookimpl
+    def submit_kvcache(
+        self, session_id: str, request: TransferRequest, notification: bytes | None = None
+    ) -> Future[int]:
+        """Plan now (input errors raise here), then hand the plan to the transport's ``submit``."""
+        needed = {"submit"} | ({"notifications"} if notification is not None else set())
+        self._refuse_unsupported(request.features() | needed, "submit_kvcache")
+        local, peer = self._layouts(session_id)
+        plan = plan_request(request, local, peer)
+        future = TransferFuture(session_id, plan.nbytes, len(plan))
+        if len(plan):
+            return follow(future, self.transport.submit(session_id, plan, notification), lambda _: plan.nbytes)
+        def notify_only() -> int:  # nothing to write: the notification alone, here and now
+            if notification is not None:
+                self.transport.notify(session_id, notification)
+            return 0
+
+        run_into(future, notify_only)
+        return future
+
+    @hookimpl
+    def send_notification(self, session_id: str, message: bytes) -> None:
+        self._refuse_unsupported({"notifications"}, "send_notification")
+        self._layouts(session_id)  # a known peer
+        self.transport.notify(session_id, message)
+
+    @hookimpl
+    def poll_notifications(self) -> list[Notification]:
+        self._refuse_unsupported({"notifications"}, "poll_notifications")
+        return self.transport.poll_notifications()
+
+    @hookimpl
+    def close(self) -> None:
+        try:
+            self.transport.close()
+        finally:
+            with self._lock:
+                self._local = None
+            self._peers.clear()
+
+    # -- extension ------------------------------------------------------------
+
+    def raw_write(self, session_id: str, plan: TransferPlan) -> None:
+        """The transport's bare engine call on ``plan`` (the ``raw_write`` capability); no checks."""
+        if not isinstance(self.transport, RawWriter):
+            raise UnsupportedFeatureError(f"{type(self).__name__}'s transport offers no raw_write")
+        self.transport.raw_write(session_id, plan)
+
+    # -- helpers --------------------------------------------------------------
+
+    def _refuse_unsupported(self, used: frozenset[str] | set[str], why: str | None = None) -> None:
+        """Direct callers (not through a Connection) get the same refusal the Connection gives."""
+        refuse_lacking(repr(type(self).__name__), type(self).capabilities_declared(), used, why)
+
+    @classmethod
+    def capabilities_declared(cls) -> frozenset[str]:
+        """The class's ``capabilities`` (empty when it declares none or something that is not a set)."""
+        raw: object = getattr(cls, "capabilities", frozenset())
+        return frozenset(str(c) for c in raw) if isinstance(raw, (set, frozenset)) else frozenset()
+
+    def _layouts(self, session_id: str) -> tuple[KVLayout, KVLayout]:
+        with self._lock:
+            local = self._local
+        if local is None:
+            raise InvalidTransferError("register_kv_buffers() must be called before send_kvcache()")
+        return local, self._peers.known(session_id)
+
+    def _unregister(self, bases: Sequence[int]) -> None:
+        """Unregister every range in ``bases``; raise the first failure after trying all."""
+        first: KvwireError | None = None
+        for base in bases:
+            try:
+                self.transport.unregister_memory(base)
+            except KvwireError as exc:
+                first = first or exc
+        if first is not None:
+            raise first

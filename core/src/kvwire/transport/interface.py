@@ -1,0 +1,89 @@
+"""``Transport``: the engine-facing operations a :class:`kvwire.TransportBackend` drives.
+
+This class is the contract of the short path, validated at load like the
+hooks: the validator compares a backend's transport class (from
+``open_transport``'s return annotation) method by method with this one. The
+spec version that added each method is in :mod:`kvwire.spec.history`; which
+optional method a declared capability needs is in
+:data:`kvwire.spec.capabilities.CAPABILITY_REQUIREMENTS`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from typing import Protocol, runtime_checkable
+
+from kvwire.errors import UnsupportedFeatureError
+from kvwire.layout.kv_layout import KVLayout
+from kvwire.planning.plan import TransferPlan
+from kvwire.submit.notifications import Notification
+
+__all__ = ["RawWriter", "Transport"]
+
+
+class Transport(ABC):
+    """The engine-facing operations a :class:`TransportBackend` drives.
+
+    The base calls them only with checked input: ``register_memory`` with a
+    layout buffer's range, ``write`` with a non-empty plan whose every range lies
+    inside the local layout and the peer's published layout.
+    """
+
+    @property
+    @abstractmethod
+    def endpoint(self) -> str:
+        """The id peers pass as ``session_id`` to reach this transport."""
+
+    @abstractmethod
+    def register_memory(self, base: int, nbytes: int) -> None:
+        """Make ``nbytes`` at ``base`` a source or destination of transfers."""
+
+    @abstractmethod
+    def unregister_memory(self, base: int) -> None:
+        """Undo :meth:`register_memory` of the range starting at ``base``."""
+
+    @abstractmethod
+    def write(self, session_id: str, plan: TransferPlan) -> None:
+        """Write every descriptor of ``plan`` into the peer; raise a :class:`kvwire.TransferError` on failure."""
+
+    def add_peer(self, session_id: str, layout: KVLayout) -> None:  # noqa: B027 - optional, no-op by default
+        """A peer published ``layout`` (optional: a transport that needs the peer's layout keeps it)."""
+
+    def forget_peer(self, session_id: str) -> None:  # noqa: B027 - optional, no-op by default
+        """Release what the transport holds for a peer that is gone (optional)."""
+
+    def submit(self, session_id: str, plan: TransferPlan, notification: bytes | None) -> Future[None]:
+        """Start writing a non-empty ``plan`` and return at once (optional; the backend declares ``submit``).
+
+        The future completes when every byte is in the peer's memory (then
+        ``notification``, if given, is delivered after them) or fails with a
+        :class:`kvwire.TransferError` within the config's ``timeout_s``;
+        cancelling it succeeds only before the write has started.
+        """
+        raise UnsupportedFeatureError(f"{type(self).__name__} offers no non-blocking submit")
+
+    def notify(self, session_id: str, message: bytes) -> None:
+        """Deliver ``message`` to the peer after the bytes of every write to it that has completed
+        (optional; the backend declares ``notifications``)."""
+        raise UnsupportedFeatureError(f"{type(self).__name__} carries no notifications")
+
+    def poll_notifications(self) -> list[Notification]:
+        """The notifications that arrived since the last call, each once, in arrival order per sender (optional)."""
+        raise UnsupportedFeatureError(f"{type(self).__name__} carries no notifications")
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the engine; idempotent."""
+
+
+@runtime_checkable
+class RawWriter(Protocol):
+    """The optional raw extension: the bare engine call on a plan, without kvwire's checks.
+
+    A backend that offers it declares the ``raw_write`` capability; benchmarks
+    reach it through :meth:`kvwire.Connection.raw_write` to compare kvwire's
+    send with the engine call it wraps, on identical descriptors.
+    """
+
+    def raw_write(self, session_id: str, plan: TransferPlan) -> None: ...
