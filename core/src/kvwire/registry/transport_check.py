@@ -14,6 +14,7 @@ the other optional methods are compared when overridden.
 from __future__ import annotations
 
 import ast
+import builtins
 import inspect
 import re
 import textwrap
@@ -61,19 +62,27 @@ def transport_methods() -> Mapping[str, tuple[SpecHook, SpecVersion]]:
     return MappingProxyType(methods)
 
 
+def _lookup_name(node: ast.expr, namespace: Mapping[str, Any]) -> object:
+    """The object a dotted name (``X`` or ``mod.X``) refers to in ``namespace``; None for anything else."""
+    if isinstance(node, ast.Name):
+        return namespace.get(node.id)
+    if isinstance(node, ast.Attribute):
+        return getattr(_lookup_name(node.value, namespace), node.attr, None)
+    return None
+
+
 def _returned_classes(func: Callable[..., Any]) -> list[type]:
-    """The classes ``func``'s ``return X(...)`` statements construct, resolved in its module."""
+    """The classes ``func``'s ``return X(...)`` statements construct, looked up in its closure and module."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
-    except (OSError, TypeError, SyntaxError):
+        closure = inspect.getclosurevars(func)
+    except (OSError, TypeError, SyntaxError, ValueError):
         return []
+    namespace = {**vars(builtins), **closure.globals, **dict(getattr(func, "__globals__", {})), **closure.nonlocals}
     found: list[type] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Return) and isinstance(node.value, ast.Call):
-            try:
-                value = resolve_annotation(ast.unparse(node.value.func), func)
-            except UnresolvedAnnotation:
-                continue
+            value = _lookup_name(node.value.func, namespace)
             if isinstance(value, type) and value not in found:
                 found.append(value)
     return found
