@@ -1,4 +1,5 @@
-"""Prometheus metrics for ``send_kvcache``, as a ready middleware (``pip install 'kvwire[metrics]'``).
+"""Prometheus metrics for sends, submissions and notifications, as a ready middleware
+(``pip install 'kvwire[metrics]'``).
 
 ::
 
@@ -8,10 +9,17 @@
 
 Exported (labels ``backend`` and ``peer``; ``error`` on failures):
 
-* ``kvwire_send_requests_total``, ``kvwire_send_bytes_total``
+* ``kvwire_send_requests_total``, ``kvwire_send_bytes_total``: every send, blocking
+  (``send_kvcache``) or submitted (``submit_kvcache``, on every backend: native or the
+  core's pool); a submission's bytes and failure count when its future completes
 * ``kvwire_send_failures_total{error}``: the kvwire error class the caller gets
   (anything else a backend raises reaches the caller as ``BackendError``)
-* ``kvwire_send_seconds``: latency of the hook as the caller sees it, failures included
+* ``kvwire_send_seconds``: latency as the caller sees it, failures included (a
+  submission: from the call to its future's completion)
+* ``kvwire_submit_requests_total``: the submissions among the sends
+* ``kvwire_notifications_sent_total``: ``send_notification`` calls, and submissions whose
+  notification went out after their bytes; ``kvwire_notifications_received_total``
+  (``backend`` only): what ``poll_notifications`` returned
 * ``kvwire_send_descriptors_total``, ``kvwire_send_descriptors_before_coalescing_total``,
   ``kvwire_send_planning_seconds``, ``kvwire_send_transfer_seconds`` (``backend`` only):
   from :mod:`kvwire.transport.telemetry`, for backends that publish it (those built on
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Generator, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -97,6 +106,11 @@ class Metrics:
         self.transfer = prom.Histogram(
             "kvwire_send_transfer_seconds", "Transport write time of a send", ["backend"], buckets=buckets, **where
         )
+        self.submits = prom.Counter("kvwire_submit_requests", "submit_kvcache calls", peer, **where)
+        self.notes_sent = prom.Counter("kvwire_notifications_sent", "Notifications sent", peer, **where)
+        self.notes_received = prom.Counter(
+            "kvwire_notifications_received", "Notifications polled", ["backend"], **where
+        )
         self.max_peers = max_peers
         self._peers: set[str] = set()
         self._lock = threading.Lock()
@@ -121,12 +135,29 @@ def _error_label(exc: BaseException) -> str:
     return type(exc).__name__ if isinstance(exc, KvwireError) else BackendError.__name__
 
 
+def _bytes(moved: object) -> int | None:
+    ok = isinstance(moved, (int, np.integer)) and not isinstance(moved, bool) and moved >= 0
+    return int(moved) if ok else None  # type: ignore[call-overload]
+
+
 class MetricsMiddleware:
-    """Wraps ``send_kvcache``: counts, times and reads the backend's :mod:`kvwire.transport.telemetry` record."""
+    """Wraps the sending hooks: counts, times and reads the backend's :mod:`kvwire.transport.telemetry` record."""
 
     def __init__(self, metrics: Metrics, backend: str) -> None:
         self.metrics = metrics
         self.backend = backend
+
+    def _failed(self, peer: str, started: float, exc: BaseException) -> None:
+        m = self.metrics
+        m.seconds.labels(self.backend, peer).observe(telemetry.clock() - started)
+        m.failures.labels(self.backend, peer, _error_label(exc)).inc()
+
+    def _moved(self, peer: str, started: float, moved: object) -> None:
+        m = self.metrics
+        m.seconds.labels(self.backend, peer).observe(telemetry.clock() - started)
+        nbytes = _bytes(moved)
+        if nbytes is not None:
+            m.bytes.labels(self.backend, peer).inc(nbytes)
 
     @hookimpl(wrapper=True)
     def send_kvcache(self, session_id: str) -> Generator[None, int, int]:
@@ -138,12 +169,9 @@ class MetricsMiddleware:
         try:
             moved = yield
         except BaseException as exc:
-            m.seconds.labels(self.backend, peer).observe(telemetry.clock() - started)
-            m.failures.labels(self.backend, peer, _error_label(exc)).inc()
+            self._failed(peer, started, exc)
             raise
-        m.seconds.labels(self.backend, peer).observe(telemetry.clock() - started)
-        if isinstance(moved, (int, np.integer)) and not isinstance(moved, bool) and moved >= 0:
-            m.bytes.labels(self.backend, peer).inc(int(moved))
+        self._moved(peer, started, moved)
         record = telemetry.since(marker)
         if record is not None:
             m.descriptors.labels(self.backend).inc(record.descriptors)
@@ -151,6 +179,46 @@ class MetricsMiddleware:
             m.planning.labels(self.backend).observe(record.planning_s)
             m.transfer.labels(self.backend).observe(record.transfer_s)
         return moved
+
+    @hookimpl(wrapper=True)
+    def submit_kvcache(self, session_id: str, notification: bytes | None) -> Generator[None, Future[int], Future[int]]:
+        m = self.metrics
+        peer = m.peer_label(session_id)
+        started = telemetry.clock()
+        m.requests.labels(self.backend, peer).inc()
+        m.submits.labels(self.backend, peer).inc()
+        try:
+            future = yield
+        except BaseException as exc:
+            self._failed(peer, started, exc)
+            raise
+
+        def completed(done: Future[int]) -> None:
+            if done.cancelled():
+                return
+            exc = done.exception()
+            if exc is not None:
+                self._failed(peer, started, exc)
+                return
+            self._moved(peer, started, done.result())
+            if notification is not None:
+                m.notes_sent.labels(self.backend, peer).inc()
+
+        if isinstance(future, Future):
+            future.add_done_callback(completed)
+        return future
+
+    @hookimpl(wrapper=True)
+    def send_notification(self, session_id: str) -> Generator[None, None, None]:
+        yield
+        self.metrics.notes_sent.labels(self.backend, self.metrics.peer_label(session_id)).inc()
+
+    @hookimpl(wrapper=True)
+    def poll_notifications(self) -> Generator[None, list[Any], list[Any]]:
+        got = yield
+        if isinstance(got, list):
+            self.metrics.notes_received.labels(self.backend).inc(len(got))
+        return got
 
 
 _default: ProcessWide[Metrics] = ProcessWide(Metrics)

@@ -143,10 +143,18 @@ class Pair:
 class ContractHarness:
     """Creates sender/receiver pairs of one backend, in one process or two."""
 
-    def __init__(self, backend: str, *, two_process: bool = False, config: BackendConfig | None = None) -> None:
+    def __init__(
+        self,
+        backend: str,
+        *,
+        two_process: bool = False,
+        config: BackendConfig | None = None,
+        middleware: Sequence[object] = (),
+    ) -> None:
         self.backend = backend
         self.two_process = two_process
         self.config = config
+        self.middleware = tuple(middleware)
         self.info = default_registry().get(backend)
 
     @property
@@ -164,7 +172,7 @@ class ContractHarness:
         )
         try:
             memory = local_spec.allocate(seed)
-            with connect(self.backend, self.config) as conn:
+            with connect(self.backend, self.config, middleware=self.middleware) as conn:
                 conn.register_kv_buffers(memory.layout)
                 conn.add_peer(receiver.endpoint, receiver.layout)
                 yield Pair(conn, memory, receiver, peer_spec, peer_seed)
