@@ -12,6 +12,7 @@ import pytest
 
 import kvwire
 from kvwire.registry import installed as about
+from kvwire_mooncake import wheels
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
@@ -54,13 +55,13 @@ def test_version_text_is_what_kvwire_version_prints(capsys: pytest.CaptureFixtur
 
 
 def test_one_engine_wheel_is_no_conflict() -> None:
-    assert about.engine_conflict({}, "cpu") is None
-    assert about.engine_conflict({"mooncake-transfer-engine-non-cuda": "0.3.13"}, "cuda") is None
+    assert wheels.engine_conflict({}, "cpu") is None
+    assert wheels.engine_conflict({"mooncake-transfer-engine-non-cuda": "0.3.13"}, "cuda") is None
 
 
 def test_two_engine_wheels_name_the_one_to_keep_for_this_host() -> None:
     both = {"mooncake-transfer-engine-non-cuda": "0.3.13.post1", "mooncake-transfer-engine-npu": "0.3.13"}
-    message = about.engine_conflict(both, "npu")
+    message = wheels.engine_conflict(both, "npu")
     assert message == (
         "2 Mooncake engine wheels are installed: mooncake-transfer-engine-non-cuda 0.3.13.post1 (hosts without CUDA: "
         "kvwire-mooncake[cpu]); mooncake-transfer-engine-npu 0.3.13 (Ascend hosts: kvwire-ascend[npu]). They ship "
@@ -70,9 +71,9 @@ def test_two_engine_wheels_name_the_one_to_keep_for_this_host() -> None:
         "mooncake-transfer-engine-npu && pip install mooncake-transfer-engine-npu==0.3.13 (uninstalling one deletes "
         "the files the other shares, so reinstall the one you keep)"
     )
-    cpu = about.engine_conflict(both, "cpu")
+    cpu = wheels.engine_conflict(both, "cpu")
     assert cpu is not None and "This is a host without CUDA or CANN: keep mooncake-transfer-engine-non-cuda" in cpu
-    cuda = about.engine_conflict({"mooncake-transfer-engine": "0.3.13", **both}, "cuda")
+    cuda = wheels.engine_conflict({"mooncake-transfer-engine": "0.3.13", **both}, "cuda")
     assert cuda is not None and cuda.startswith("3 Mooncake engine wheels are installed")
     keep = "keep mooncake-transfer-engine, remove mooncake-transfer-engine-non-cuda, mooncake-transfer-engine-npu"
     assert keep in cuda
@@ -80,7 +81,7 @@ def test_two_engine_wheels_name_the_one_to_keep_for_this_host() -> None:
 
 def test_two_cuda_builds_cannot_be_told_apart() -> None:
     both = {"mooncake-transfer-engine": "0.3.13", "mooncake-transfer-engine-cuda13": "0.3.13"}
-    message = about.engine_conflict(both, "cuda")
+    message = wheels.engine_conflict(both, "cuda")
     assert message is not None and message.endswith(
         "Keep the one for this host and remove the others: pip uninstall -y mooncake-transfer-engine "
         "mooncake-transfer-engine-cuda13 && pip install <the one>"
@@ -88,13 +89,31 @@ def test_two_cuda_builds_cannot_be_told_apart() -> None:
 
 
 def test_this_environment_has_at_most_one_engine_wheel() -> None:
-    assert about.engine_conflict() is None
+    assert wheels.engine_conflict() is None
 
 
 def test_host_kind(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
-    assert about.host_kind(lambda name: None) == "cpu"
-    assert about.host_kind(lambda name: "libcuda.so.1" if name == "cuda" else None) == "cuda"
-    assert about.host_kind(lambda name: "libascendcl.so" if name == "ascendcl" else None) == "npu"
+    assert wheels.host_kind(lambda name: None) == "cpu"
+    assert wheels.host_kind(lambda name: "libcuda.so.1" if name == "cuda" else None) == "cuda"
+    assert wheels.host_kind(lambda name: "libascendcl.so" if name == "ascendcl" else None) == "npu"
     monkeypatch.setenv("ASCEND_HOME_PATH", "/usr/local/Ascend")
-    assert about.host_kind(lambda name: None) == "npu"
+    assert wheels.host_kind(lambda name: None) == "npu"
+
+
+def test_kvwire_mooncake_registers_its_engine_wheel_check() -> None:
+    from importlib import metadata
+
+    (ep,) = [e for e in metadata.entry_points(group=about.INSTALL_CHECK_GROUP) if e.name == "mooncake-engine-wheels"]
+    assert ep.value == "kvwire_mooncake.wheels:engine_conflict" and ep.load() is wheels.engine_conflict
+    assert about.install_problems() == []  # this environment has one engine wheel
+
+
+def test_an_install_check_that_raises_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib import metadata
+
+    broken = metadata.EntryPoint("broken", "json:loads", about.INSTALL_CHECK_GROUP)  # loads() needs an argument
+    checks = about.INSTALL_CHECK_GROUP
+    monkeypatch.setattr(about.metadata, "entry_points", lambda group: [broken] if group == checks else [])
+    (problem,) = about.install_problems()
+    assert problem.startswith("install check broken (json:loads) failed: TypeError: ")

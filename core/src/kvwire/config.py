@@ -25,17 +25,9 @@ class BackendConfig:
     Attributes:
         host: address this endpoint advertises to its peers, and the only
             address it accepts connections on where the backend can enforce
-            that. Mooncake-based backends (``mooncake``, ``hisparse``,
-            ``ascend``): the engine itself listens on every interface whatever
-            ``host`` says (its handshake on ``0.0.0.0``, its TCP data port on
-            ``::``, IPv4 and IPv6); kvwire-mooncake filters both listeners of
-            the engines it creates to ``host``'s addresses (Linux; option
-            ``restrict_listeners``) and warns once (``ExposedListenerWarning``)
-            where it cannot, e.g. when ``host`` is not an address of this
-            machine. A wildcard (``"0.0.0.0"``) listens everywhere. Anyone who
-            can connect to the endpoint can read the addresses of, and write
-            into, its registered memory: see the kvwire-mooncake README,
-            "Security".
+            that. Where an engine listens beyond it, and what a peer that can
+            connect may do, is backend-specific: each backend's README says so
+            in its "Security" section.
         protocol: transport protocol (``"tcp"``, ``"rdma"``, ``"ascend"``...).
         metadata_server: ``"P2PHANDSHAKE"`` (no server) or a metadata-server URL.
         device: device names for RDMA NICs or accelerators (``"mlx5_0"``, ``"npu:0"``).

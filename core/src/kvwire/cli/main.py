@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from kvwire.errors import ConfigError, KvwireError
-from kvwire.registry.installed import VersionAction, engine_conflict
+from kvwire.registry.installed import VersionAction, install_problems
 from kvwire.registry.isolation import DEFAULT_TIMEOUT, check_isolated
 from kvwire.registry.loading import BackendInfo
 from kvwire.registry.manager import Registry, allow_list_error, installed_backends
@@ -83,10 +83,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if unknown:
         source = "--backends" if allow is not None else registry.allow_source
         print(f"kvwire check: error: {allow_list_error(source, unknown, installed_backends())}", file=sys.stderr)
-    clash = engine_conflict()  # two Mooncake engine wheels overwrite each other's files
-    if clash:
-        print(f"kvwire check: error: {clash}", file=sys.stderr)
-    return 1 if failed or unknown or clash else 0
+    problems = install_problems()  # e.g. two Mooncake engine wheels that overwrite each other's files
+    for problem in problems:
+        print(f"kvwire check: error: {problem}", file=sys.stderr)
+    return 1 if failed or unknown or problems else 0
 
 
 #: name -> (help, description, module with ``add_arguments(parser)`` and ``run(args) -> int``)
