@@ -297,3 +297,36 @@ def test_a_submission_while_close_is_draining_is_refused(gated: Pair) -> None:
     closer.join(timeout=10)
     assert running.result(timeout=0) == 4 * 4096 * 4
     assert digest(gated.dst.views[0][4:8]) == before
+
+
+def test_a_core_pool_submission_is_planned_once_and_its_bytes_land(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvwire.planning import planner
+
+    calls: list[int] = []
+    real = planner.plan_transfer
+
+    def counted(*args: Any, **kwargs: Any) -> kvwire.TransferPlan:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "plan_transfer", counted)
+    assert pair.submit(range(4)).result(timeout=10) == 4 * 4096 * 4
+    assert len(calls) == 1  # the Connection planned it; the backend's send reused that plan
+    assert pair.pages_equal(range(4))
+    ids = np.arange(4, 8, dtype=np.int32)
+    assert pair.sender.send_kvcache(pair.endpoint, ids, pair.ptrs, ids) == 4 * 4096 * 4
+    assert len(calls) == 2 and pair.pages_equal(range(4, 8))
+
+
+def test_the_request_a_connection_hands_over_is_the_one_the_backend_receives() -> None:
+    from kvwire.spec.request import handing
+
+    idx = np.array([1], np.int32)
+    request = kvwire.TransferRequest(idx, [4096], idx)
+    with handing(request):
+        assert kvwire.TransferRequest.received(**request.arguments()) is request
+        other = kvwire.TransferRequest.received(**{**request.arguments(), "dst_kv_indices": idx.copy()})
+    assert other is not request  # a middleware that replaced an argument gets a request of its own
+    assert kvwire.TransferRequest.received(**request.arguments()) is not request  # nothing handed outside the block
