@@ -19,7 +19,16 @@ from kvwire.registry.findings import Rule
 from kvwire.spec.history import PARAMETER_FEATURES, known_versions
 from kvwire.spec.hooks import SpecHook
 
-__all__ = ["EMPTY", "VAR_KINDS", "Issue", "compare_annotation", "compare_hook", "format_signature", "impl_parameters"]
+__all__ = [
+    "EMPTY",
+    "VAR_KINDS",
+    "Issue",
+    "compare_annotation",
+    "compare_hook",
+    "format_signature",
+    "impl_parameters",
+    "with_self",
+]
 
 EMPTY = inspect.Parameter.empty
 VAR_KINDS = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
@@ -208,3 +217,7 @@ def _version_of(hook: SpecHook) -> str:
     return str(max((p.since for p in hook.params), default=known_versions()[0]))
 
 
+def with_self(signature: str) -> str:
+    """``name(a, b) -> R`` as a method definition's text: ``name(self, a, b) -> R``."""
+    name, rest = signature.split("(", 1)
+    return f"{name}(self{'' if rest.startswith(')') else ', '}{rest}"

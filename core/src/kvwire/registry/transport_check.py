@@ -25,7 +25,7 @@ from types import MappingProxyType
 from typing import Any
 
 from kvwire.registry.annotations import UnresolvedAnnotation, resolve_annotation
-from kvwire.registry.signatures import Issue, compare_hook
+from kvwire.registry.signatures import Issue, compare_hook, with_self
 from kvwire.spec.capabilities import CAPABILITY_REQUIREMENTS
 from kvwire.spec.history import SPEC_HISTORY, SpecVersion, transport_method_since
 from kvwire.spec.hooks import SpecHook, SpecParam
@@ -131,11 +131,6 @@ def transport_class(cls: type) -> tuple[type | None, list[Issue]]:
     ]
 
 
-def _with_self(spec: SpecHook) -> str:
-    name, rest = spec.signature_text().split("(", 1)
-    return f"{name}(self{'' if rest.startswith(')') else ', '}{rest}"
-
-
 def _owner(cls: type, name: str) -> type | None:
     return next((klass for klass in cls.__mro__ if name in vars(klass)), None)
 
@@ -163,7 +158,7 @@ def check_transport(cls: type, version: SpecVersion, capabilities: frozenset[str
                         "missing-method",
                         f"declares {needed[name]!r} but its transport {tcls.__qualname__} does not implement "
                         f"`{name}`",
-                        f"add `def {_with_self(spec)}` to {tcls.__qualname__}, "
+                        f"add `def {with_self(spec.signature_text())}` to {tcls.__qualname__}, "
                         f"or drop {needed[name]!r} from capabilities",
                         spec.signature_text(),
                         "<absent>",
@@ -177,7 +172,7 @@ def check_transport(cls: type, version: SpecVersion, capabilities: frozenset[str
                         label,
                         "missing-method",
                         f"required method `{name}` of kvwire.Transport is not implemented",
-                        f"add `def {_with_self(spec)}` to {tcls.__qualname__}",
+                        f"add `def {with_self(spec.signature_text())}` to {tcls.__qualname__}",
                         spec.signature_text(),
                         "<absent>",
                     )

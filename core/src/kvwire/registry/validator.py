@@ -18,7 +18,15 @@ from typing import Any, Literal
 
 from kvwire.config import BackendConfig
 from kvwire.registry.findings import BackendOrigin, Finding
-from kvwire.registry.signatures import EMPTY, VAR_KINDS, Issue, compare_annotation, compare_hook, impl_parameters
+from kvwire.registry.signatures import (
+    EMPTY,
+    VAR_KINDS,
+    Issue,
+    compare_annotation,
+    compare_hook,
+    impl_parameters,
+    with_self,
+)
 from kvwire.registry.transport_check import check_transport
 from kvwire.spec.capabilities import CAPABILITY_REQUIREMENTS, FEATURES
 from kvwire.spec.history import CURRENT, HOOK_FEATURES, PARAMETER_FEATURES, SpecVersion, known_versions
@@ -99,11 +107,6 @@ def _check_constructor(cls: type) -> list[Issue]:
     return []
 
 
-def _with_self(signature: str) -> str:
-    name, rest = signature.split("(", 1)
-    return f"{name}(self{'' if rest.startswith(')') else ', '}{rest}"
-
-
 def _owner(cls: type, name: str) -> str | None:
     """``module:Qualname`` of the parent class ``cls`` inherits ``name`` from; None when ``cls`` defines it."""
     for klass in cls.__mro__:
@@ -163,7 +166,7 @@ def _hook_issues(cls: type, version: SpecVersion) -> list[Issue]:
                     name,
                     "missing-hook",
                     f"required hook `{name}` is not implemented",
-                    f"add `@kvwire.hookimpl def {_with_self(hook.signature_text())}`",
+                    f"add `@kvwire.hookimpl def {with_self(hook.signature_text())}`",
                     hook.signature_text(),
                     "<absent>",
                 )
@@ -230,7 +233,7 @@ def _declared_capabilities(cls: type, version: SpecVersion) -> tuple[frozenset[s
                         hook,
                         "missing-hook",
                         f"declares {name!r} but does not implement its hook `{hook}`",
-                        f"add `@kvwire.hookimpl def {_with_self(signature)}`, or drop {name!r}",
+                        f"add `@kvwire.hookimpl def {with_self(signature)}`, or drop {name!r}",
                         signature,
                         "<absent>",
                     )

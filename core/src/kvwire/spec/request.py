@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from kvwire.spec.capabilities import parameters_for
 from kvwire.spec.history import PARAMETER_FEATURES
 
 __all__ = ["TransferRequest", "handing"]
@@ -67,9 +68,8 @@ class TransferRequest:
 
     @staticmethod
     def parameters_for(features: Iterable[str]) -> list[str]:
-        """The parameters that need ``features``, in spec order."""
-        wanted = set(features)
-        return [p for p, f in PARAMETER_FEATURES.items() if f in wanted]
+        """The parameters that need ``features``, in spec order (:func:`kvwire.spec.capabilities.parameters_for`)."""
+        return parameters_for(features)
 
 
 
