@@ -55,20 +55,11 @@ from kvwire.errors import InvalidTransferError
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.planning.assembly import Runs, assemble, check_runs, one_page, page_fill, sliced_fill
 from kvwire.planning.checks import as_i64, check_ptrs, check_range, index_array, page_arrays
-from kvwire.planning.head_slicing import needs_head_slicing, tp_aware, tp_mismatch
 from kvwire.planning.pairing import Group, check_shape, local_name, pairing_of, peer_name
 from kvwire.planning.plan import TransferPlan
 from kvwire.spec.request import TransferRequest
 
-__all__ = [
-    "TransferPlan",
-    "check_peer_shape",
-    "needs_head_slicing",
-    "plan_request",
-    "plan_transfer",
-    "tp_aware",
-    "tp_mismatch",
-]
+__all__ = ["check_peer_shape", "plan_request", "plan_transfer"]
 
 _I64 = np.int64
 _max = np.maximum.reduce

@@ -7,22 +7,26 @@ version added what, and :func:`spec_hooks` gives the hooks of any version.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Executor, Future
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import cache
 from types import MappingProxyType
+from typing import Any
 
-import numpy as np
-from numpy.typing import NDArray
-
-from kvwire.layout.kv_layout import KVLayout
 from kvwire.spec.history import HOOK_FEATURES, PARAMETER_FEATURES, SPEC_HISTORY, SpecVersion, hook_since
 from kvwire.spec.pluggy_project import hookspec
+from kvwire.spec.protocol import BackendProtocol
 from kvwire.spec.request import TransferRequest
 from kvwire.submit.notifications import Notification
 
 __all__ = ["BackendSpec", "SpecHook", "SpecParam", "features_at", "spec_hooks"]
+
+
+def _required(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` (a required hook as :class:`BackendProtocol` declares it) marked as a firstresult hookspec."""
+    marked: Callable[..., Any] = hookspec(firstresult=True)(hook)
+    return marked
 
 
 class BackendSpec:
@@ -33,44 +37,14 @@ class BackendSpec:
     is ``firstresult``; middleware may wrap them with ``wrapper=True``.
     """
 
-    @hookspec(firstresult=True)
-    def register_kv_buffers(self, layout: KVLayout) -> None:
-        """Register the local KV memory this endpoint sends from or receives into."""
+    # The required hooks: declared once, in BackendProtocol (the static type), marked here.
+    register_kv_buffers = _required(BackendProtocol.register_kv_buffers)
+    endpoint = _required(BackendProtocol.endpoint)
+    add_peer = _required(BackendProtocol.add_peer)
+    remove_peer = _required(BackendProtocol.remove_peer)
+    send_kvcache = _required(BackendProtocol.send_kvcache)
 
-    @hookspec(firstresult=True)
-    def endpoint(self) -> str:
-        """The id peers pass as ``session_id`` to reach this endpoint."""
-        raise NotImplementedError
-
-    @hookspec(firstresult=True)
-    def add_peer(self, session_id: str, layout: KVLayout) -> None:
-        """Learn a peer's KV layout (published by the peer) before sending to it."""
-
-    @hookspec(firstresult=True)
-    def remove_peer(self, session_id: str) -> None:
-        """Forget a peer: its layout and the engine's per-peer resources (spec 1.4); unknown ids are a no-op."""
-
-    @hookspec(firstresult=True)
-    def send_kvcache(
-        self,
-        session_id: str,
-        prefill_kv_indices: NDArray[np.int32],
-        dst_kv_ptrs: Sequence[int],
-        dst_kv_indices: NDArray[np.int32],
-        executor: Executor | None,
-        dst_layer_ids: Sequence[int] | None = None,
-        dst_device_kv_indices: NDArray[np.int32] | None = None,
-        dst_kv_item_len: int | None = None,
-        dst_attn_tp_size: int | None = None,
-    ) -> int:
-        """Write the pages ``prefill_kv_indices`` into the peer; return the bytes moved.
-
-        The parameters follow sglang's ``MooncakeKVManager.send_kvcache`` (0.5.18+),
-        with ``session_id`` for its ``mooncake_session_id``. Failures raise
-        :class:`kvwire.TransferError` (or a subclass), never a status code.
-        """
-        raise NotImplementedError
-
+    # The optional hooks of spec 1.5 (a Protocol cannot make a member optional).
     @hookspec(firstresult=True)
     def submit_kvcache(
         self, session_id: str, request: TransferRequest, notification: bytes | None = None
@@ -95,9 +69,7 @@ class BackendSpec:
         for each sender (optional, feature ``notifications``; spec 1.5)."""
         raise NotImplementedError
 
-    @hookspec(firstresult=True)
-    def close(self) -> None:
-        """Release engine resources and unregister memory; idempotent."""
+    close = _required(BackendProtocol.close)
 
 
 @dataclass(frozen=True)
@@ -145,7 +117,7 @@ def _all_hooks() -> Mapping[str, SpecHook]:
     for name, func in vars(BackendSpec).items():
         if not callable(func) or name.startswith("_"):
             continue
-        hints = typing.get_type_hints(func, globals())
+        hints = typing.get_type_hints(func)  # in the module that declares it
         raw = func.__annotations__
         params = tuple(
             SpecParam(p.name, hints[p.name], str(raw[p.name]), p.default, _since(name, p.name))

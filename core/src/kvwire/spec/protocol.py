@@ -19,8 +19,10 @@ extra optional parameter at the end, which a static type cannot refuse.
 Each hook with parameters is declared twice (overloads): positionally, which
 checks the order, and keyword-only, which checks the names (mypy ignores the
 names of positional parameters when it matches a protocol, and pluggy passes
-hook arguments by name). The implementation signature after the overloads is
-the spec's; a test keeps it equal to :class:`kvwire.spec.hooks.BackendSpec`.
+hook arguments by name). The implementation after the overloads is the one
+declaration of each required hook: :class:`kvwire.spec.hooks.BackendSpec` marks
+these very functions as hookspecs, so the static type and pluggy's spec cannot
+differ.
 
 The protocol is the current spec's required hooks only: a backend declaring
 an older version loads adapted on purpose and is not meant to satisfy it, and
@@ -50,21 +52,26 @@ class BackendProtocol(Protocol):
     def register_kv_buffers(self, layout: KVLayout) -> None: ...
     @overload
     def register_kv_buffers(self, *, layout: KVLayout) -> None: ...
-    def register_kv_buffers(self, layout: KVLayout) -> None: ...
+    def register_kv_buffers(self, layout: KVLayout) -> None:
+        """Register the local KV memory this endpoint sends from or receives into."""
 
-    def endpoint(self) -> str: ...
+    def endpoint(self) -> str:
+        """The id peers pass as ``session_id`` to reach this endpoint."""
+        raise NotImplementedError
 
     @overload
     def add_peer(self, session_id: str, layout: KVLayout) -> None: ...
     @overload
     def add_peer(self, *, session_id: str, layout: KVLayout) -> None: ...
-    def add_peer(self, session_id: str, layout: KVLayout) -> None: ...
+    def add_peer(self, session_id: str, layout: KVLayout) -> None:
+        """Learn a peer's KV layout (published by the peer) before sending to it."""
 
     @overload
     def remove_peer(self, session_id: str) -> None: ...
     @overload
     def remove_peer(self, *, session_id: str) -> None: ...
-    def remove_peer(self, session_id: str) -> None: ...
+    def remove_peer(self, session_id: str) -> None:
+        """Forget a peer: its layout and the engine's per-peer resources (spec 1.4); unknown ids are a no-op."""
 
     @overload
     def send_kvcache(
@@ -104,6 +111,14 @@ class BackendProtocol(Protocol):
         dst_device_kv_indices: NDArray[np.int32] | None = None,
         dst_kv_item_len: int | None = None,
         dst_attn_tp_size: int | None = None,
-    ) -> int: ...
+    ) -> int:
+        """Write the pages ``prefill_kv_indices`` into the peer; return the bytes moved.
 
-    def close(self) -> None: ...
+        The parameters follow sglang's ``MooncakeKVManager.send_kvcache`` (0.5.18+),
+        with ``session_id`` for its ``mooncake_session_id``. Failures raise
+        :class:`kvwire.TransferError` (or a subclass), never a status code.
+        """
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release engine resources and unregister memory; idempotent."""

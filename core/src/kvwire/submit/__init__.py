@@ -1,1 +1,10 @@
-"""Non-blocking sends and arrivals: futures, the in-flight set and pool, notifications, the watcher."""
+"""Non-blocking sends and arrivals: futures, the in-flight set and pool, notifications, the watcher.
+
+This package's own names are public for transport authors: the helpers a transport's worker
+threads need to complete futures the way the core does (kvwire-mooncake and kvwire-nixl both
+use them). Import them from here, ``from kvwire.submit import run_into``.
+"""
+
+from kvwire.submit.futures import fail_unstarted, queued_behind, run_into, start
+
+__all__ = ["fail_unstarted", "queued_behind", "run_into", "start"]

@@ -15,7 +15,9 @@ from concurrent.futures._base import CANCELLED
 from contextlib import suppress
 from typing import Any, TypeVar
 
-__all__ = ["TransferFuture", "fail_unstarted", "follow", "run_into", "start"]
+from kvwire.errors import TransferError
+
+__all__ = ["TransferFuture", "fail_unstarted", "follow", "queued_behind", "run_into", "start"]
 
 T = TypeVar("T")
 
@@ -102,6 +104,21 @@ def fail_unstarted(future: Future[Any], error: BaseException) -> None:
     """Fail ``future`` with ``error`` unless it was cancelled (a queued call that will never run)."""
     if start(future):
         future.set_exception(error)
+
+
+def queued_behind(cause: TransferError, session_id: str) -> TransferError:
+    """The error of a write queued behind ``cause`` to ``session_id``, failed without being started.
+
+    Same class, ``code`` and ``peer`` as ``cause`` (a plain :class:`kvwire.TransferError` when a
+    subclass's constructor refuses those arguments). Both shipped transports fail the writes
+    queued behind a failed one to the same peer with it: they would meet the same dead or frozen
+    peer one timeout after another.
+    """
+    message = f"not started: an earlier write to {session_id} failed ({cause}); nothing was sent"
+    try:
+        return type(cause)(message, code=cause.code, peer=session_id)
+    except TypeError:  # a subclass with a constructor of its own
+        return TransferError(message, code=cause.code, peer=session_id)
 
 
 def start(future: Future[Any]) -> bool:

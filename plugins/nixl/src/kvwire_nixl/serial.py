@@ -13,6 +13,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from kvwire.submit import run_into
+
 __all__ = ["SerialThread"]
 
 _T = TypeVar("_T")
@@ -30,10 +32,7 @@ class SerialThread:
     def _run(self) -> None:
         while (task := self._tasks.get()) is not None:
             fn, future = task
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # handed to the caller
-                future.set_exception(exc)
+            run_into(future, fn)  # a cancelled task does not run
             del task, fn, future
 
     def submit(self, fn: Callable[[], _T]) -> Future[_T]:

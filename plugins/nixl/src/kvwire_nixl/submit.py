@@ -36,6 +36,7 @@ from functools import partial
 from typing import Any, Final
 
 import kvwire
+from kvwire.submit import fail_unstarted, queued_behind
 from kvwire_nixl.agent import NixlAgent
 from kvwire_nixl.errors import translate
 from kvwire_nixl.feed import Group, Write, feed
@@ -171,6 +172,20 @@ class Submitter:
                 continue
             self._inflight.remove(job)
             self._complete(agent, job)
+            if isinstance(failed := write.error, kvwire.TransferError):
+                self._fail_queued(write.session, failed)
+
+    def _fail_queued(self, session: str, cause: kvwire.TransferError) -> None:
+        """Fail the writes to ``session`` not started yet, with ``cause``'s class: nothing of theirs is sent."""
+        for job in self._inflight:
+            if job.write.session == session and not job.write.begun:
+                job.write.fail(queued_behind(cause, session))  # its chunks are dropped, not posted
+        with self._cond:
+            queued = [job for job in self._queue if job.write.session == session]
+            for job in queued:
+                self._queue.remove(job)
+        for job in queued:
+            self._completer.submit(partial(fail_unstarted, job.future, queued_behind(cause, session)))
 
     def _check(self, agent: Any, job: Job, now: float) -> None:
         write = job.write
@@ -210,8 +225,7 @@ class Submitter:
         self._thread.join(timeout=30)
         unstarted = "the NIXL transport was closed before this write started; nothing was sent"
         for job in queued:
-            if job.future.set_running_or_notify_cancel():
-                self._completer.submit(partial(_settle, job.future, kvwire.TransferError(unstarted)))
+            self._completer.submit(partial(fail_unstarted, job.future, kvwire.TransferError(unstarted)))
         for job in self._inflight:
             release(self._nixl, job.write.handles)  # what NIXL refuses now is released with the agent
             closed = "the NIXL transport was closed " + (

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from kvwire.errors import TransferError
-from kvwire.submit.futures import fail_unstarted, run_into
+from kvwire.submit import fail_unstarted, queued_behind, run_into
 from kvwire_mooncake.engine.workers import Workers
 
 __all__ = ["PeerQueues"]
@@ -76,13 +76,8 @@ class PeerQueues:
             queued = list(queue) if queue else []
             if queue:
                 queue.clear()
-        message = f"not started: an earlier write to {session_id} failed ({cause}); nothing was sent"
         for _, future in queued:
-            try:
-                error = type(cause)(message, code=cause.code, peer=session_id)
-            except TypeError:  # a subclass with a constructor of its own
-                error = TransferError(message, code=cause.code, peer=session_id)
-            fail_unstarted(future, error)
+            fail_unstarted(future, queued_behind(cause, session_id))
 
     def close(self) -> None:
         """Fail every job not yet started (typed); running ones end by their own deadline."""

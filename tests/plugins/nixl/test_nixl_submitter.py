@@ -1,0 +1,123 @@
+"""kvwire-nixl's ``Submitter`` after a failed write: the writes queued behind it to that peer fail unstarted.
+
+The same rule as kvwire-mooncake's ``PeerQueues`` (tests/plugins/mooncake/test_engine_queues.py), with
+the same error (``kvwire.submit.queued_behind``). NIXL is replaced by a stand-in agent whose post to the
+peer ``dead`` blocks until the test lets it fail, so which writes are still queued is known exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvwire
+from kvwire_nixl.feed import DONE, Group, Write
+from kvwire_nixl.submit import Job, Submitter
+
+
+class _Handle:
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+
+    def release(self) -> None:
+        pass
+
+
+class _Agent:
+    """NIXL's calls the submitter makes; a post to ``dead`` waits for ``fail`` and then reports an error."""
+
+    def __init__(self) -> None:
+        self.fail = threading.Event()
+        self.posting_dead = threading.Event()
+        self.posted: list[str] = []
+        self.notified: list[tuple[str, bytes]] = []
+
+    def get_xfer_descs(self, table: object, segment: object) -> object:
+        return table
+
+    def initialize_xfer(self, op: str, local: object, remote: object, peer: str) -> _Handle:
+        return _Handle(peer)
+
+    def transfer(self, handle: _Handle) -> str:
+        self.posted.append(handle.peer)
+        if handle.peer == "dead":
+            self.posting_dead.set()
+            self.fail.wait(10)
+            return "ERR"
+        return DONE
+
+    def check_xfer_state(self, handle: _Handle) -> str:
+        return DONE
+
+    def send_notif(self, peer: str, message: bytes) -> None:
+        self.notified.append((peer, message))
+
+
+class _Nixl:
+    """A one-stream ``NixlAgent`` stand-in: each chunk is posted at once, on the submitter's thread."""
+
+    streams = 1
+
+    def __init__(self) -> None:
+        self.agent = _Agent()
+        self.lock = threading.Lock()
+        self.quiet = contextlib.nullcontext()
+
+    def raw(self) -> _Agent:
+        return self.agent
+
+    def on_stream(self, index: int, fn: Callable[[], list[str]]) -> Future[list[str]]:
+        future: Future[list[str]] = Future()
+        try:
+            future.set_result(fn())
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
+
+    def leak(self, handle: Any) -> None:
+        pass
+
+
+def _job(peer: str, notification: bytes | None = None) -> Job:
+    table = np.array([[0x1000, 64, 0]], np.int64)
+    return Job(Write(peer, peer, [Group(table, "DRAM", table, "DRAM")]), notification, timeout_s=10.0)
+
+
+@pytest.fixture
+def nixl() -> Iterator[_Nixl]:
+    yield _Nixl()
+
+
+def test_a_failed_write_fails_the_ones_queued_behind_it_to_that_peer_and_no_other(nixl: _Nixl) -> None:
+    submitter = Submitter(nixl, "test-submitter")  # type: ignore[arg-type]
+    try:
+        first = submitter.submit(_job("dead"))
+        assert nixl.agent.posting_dead.wait(10)  # the submitter thread is inside the post of the first write
+        behind = [submitter.submit(_job("dead", notification=b"n%d" % k)) for k in range(3)]
+        other = submitter.submit(_job("alive", notification=b"other"))
+        cancelled = submitter.submit(_job("dead"))
+        assert cancelled.cancel()
+        nixl.agent.fail.set()
+        with pytest.raises(kvwire.TransferError) as failed:
+            first.result(timeout=10)
+        assert str(failed.value) == "NIXL write to dead failed when posted (['ERR'])"
+        for future in behind:
+            with pytest.raises(kvwire.TransferError) as exc:
+                future.result(timeout=10)
+            assert str(exc.value) == f"not started: an earlier write to dead failed ({failed.value}); nothing was sent"
+            assert exc.value.peer == "dead"
+        assert other.result(timeout=10) is None  # another peer's write is not behind the failed one
+        assert cancelled.cancelled()
+        assert nixl.agent.posted == ["dead", "alive"]  # none of the queued writes to dead was posted
+        assert nixl.agent.notified == [("alive", b"other")]
+        assert submitter.submit(_job("dead")).exception(timeout=10) is not None  # a later write is tried again
+        assert nixl.agent.posted == ["dead", "alive", "dead"]
+    finally:
+        nixl.agent.fail.set()
+        submitter.close()
