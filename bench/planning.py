@@ -53,9 +53,10 @@ try:
 except ImportError:  # a source checkout without kvwire installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "src"))
 
-from kvwire.layout import HeadLayout, KVBuffer, KVLayout, Role
-from kvwire.planning import plan_transfer
+from kvwire.layout.buffers import HeadLayout, KVBuffer, Role
+from kvwire.layout.kv_layout import KVLayout
 from kvwire.planning.head_slicing import senders
+from kvwire.planning.planner import plan_transfer
 from kvwire.workload.fragment import place, run_lengths
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvwire import KVBuffer, KVLayout, LayoutError
-from kvwire.layout import HeadLayout
+from kvwire.layout.buffers import HeadLayout
 
 
 def test_mha_from_numpy_orders_k_then_v() -> None:

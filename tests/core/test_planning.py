@@ -11,9 +11,11 @@ import pytest
 from numpy.typing import NDArray
 
 from kvwire.errors import InvalidTransferError
-from kvwire.layout import KVBuffer, KVLayout
-from kvwire.planning import TransferPlan, plan_transfer
+from kvwire.layout.buffers import KVBuffer
+from kvwire.layout.kv_layout import KVLayout
 from kvwire.planning import planner as planning
+from kvwire.planning.plan import TransferPlan
+from kvwire.planning.planner import plan_transfer
 
 
 def idx(*values: int, dtype: Any = np.int32) -> NDArray[Any]:

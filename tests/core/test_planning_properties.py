@@ -34,8 +34,10 @@ from hypothesis import strategies as st
 from numpy.typing import NDArray
 
 from kvwire.errors import InvalidTransferError
-from kvwire.layout import KVBuffer, KVLayout, MemoryKind, Role
-from kvwire.planning import TransferPlan, plan_transfer
+from kvwire.layout.buffers import KVBuffer, MemoryKind, Role
+from kvwire.layout.kv_layout import KVLayout
+from kvwire.planning.plan import TransferPlan
+from kvwire.planning.planner import plan_transfer
 
 # host / device: one kind; split: a kind per layer; both: a host and a device buffer per layer;
 # stage: a split layout whose targeted layers (a mapped pipeline stage) are all of one kind

@@ -24,8 +24,10 @@ from hypothesis import strategies as st
 from numpy.typing import NDArray
 
 from kvwire.errors import InvalidTransferError
-from kvwire.layout import HeadLayout, KVBuffer, KVLayout, LayoutError, MemoryKind, Role
-from kvwire.planning import needs_head_slicing, plan_transfer, tp_mismatch
+from kvwire.layout.buffers import HeadLayout, KVBuffer, LayoutError, MemoryKind, Role
+from kvwire.layout.kv_layout import KVLayout
+from kvwire.planning.head_slicing import needs_head_slicing, tp_mismatch
+from kvwire.planning.planner import plan_transfer
 
 TP_SIZES = (1, 2, 4, 8)
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
