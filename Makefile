@@ -1,6 +1,7 @@
 # kvwire: the README's two commands.
 #   make demo   set up, then `kvwire check` and `kvwire bench` (the main job)
-#   make test   set up, then every test
+#   make test      set up, then the default suite (every fast test, in parallel), ruff and mypy: minutes
+#   make test-all  set up, then the slow tests (real engines across processes, fresh venvs, wheels)
 #   make dist   wheels of every distribution (core/, plugins/*/) into dist/
 # Set-up is idempotent and quick when already done (stamp files).
 
@@ -11,7 +12,7 @@ PIP    := $(PY) -m pip
 SYSLIBS := libibverbs.so.1 libnuma.so.1 libcurl.so.4
 APT_PKGS := libibverbs1 libnuma1 libcurl4
 TORCH_WHEELS := /opt/wheels/torch-2.13.0+cpu-cp$(shell $(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')-*.whl
-DEV_DEPS := "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "ruff>=0.6" "mypy>=1.10" "setuptools>=77" "wheel" \
+DEV_DEPS := "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.5" "hypothesis>=6.100" "ruff>=0.6" "mypy>=1.10" "setuptools>=77" "wheel" \
 	"prometheus_client>=0.17"
 # Every distribution: the core and each plugin with a pyproject.toml (a new plugin is picked up by setup and dist).
 PLUGIN_DIRS := $(patsubst %/pyproject.toml,%,$(sort $(wildcard plugins/*/pyproject.toml)))
@@ -20,7 +21,7 @@ DISTS  := $(addsuffix /pyproject.toml,$(DIST_DIRS))
 # Editable installs: plugins without extras (no torch, no NIXL wheel), but mooncake with its CPU engine wheel.
 EDITABLES := $(foreach d,$(DIST_DIRS),-e "$(d)$(if $(filter plugins/mooncake,$(d)),[cpu])")
 
-.PHONY: setup demo test bench lint typecheck syspkgs dist clean
+.PHONY: setup demo test test-all bench lint typecheck syspkgs dist clean
 
 $(PY):
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "kvwire needs Python >= 3.10")'
@@ -54,10 +55,16 @@ demo: setup
 	$(VENV)/bin/kvwire check
 	$(VENV)/bin/kvwire bench --backend mooncake --preset llama3-8b --requests 8 --tokens 4096 --compare-raw --compare-uncoalesced
 
+# One pytest worker per core (-n auto); the slow marker is the only split (see pyproject.toml).
+PYTEST := $(PY) -m pytest -n auto -p no:cacheprovider
+
 test: setup
-	$(PY) -m pytest tests
+	$(PYTEST) -m "not slow" tests
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+
+test-all: setup
+	$(PYTEST) -m slow tests
 
 bench: setup
 	$(PY) bench/planning.py
