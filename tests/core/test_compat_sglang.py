@@ -9,7 +9,7 @@ import pytest
 
 import kvwire
 from kvwire import KVBuffer, KVLayout, LayoutError
-from kvwire.compat.sglang import SglangSender, layout_from_kv_args, status_of
+from kvwire.compat.sglang import SglangSender, layer_ids_from_sglang, layout_from_kv_args, status_of
 
 Pair = tuple[SglangSender, kvwire.Connection, np.ndarray, np.ndarray]
 
@@ -92,7 +92,9 @@ def test_status_codes_are_never_zero() -> None:
 
 
 def test_layout_from_kv_args_follows_sglangs_buffer_order() -> None:
-    layout = layout_from_kv_args([4096, 8192, 12288, 16384], [4096] * 4, [256] * 4, [3, 4], attention="mha")
+    layout = layout_from_kv_args(
+        [4096, 8192, 12288, 16384], [4096] * 4, [256] * 4, [3, 4], attention="mha", memory="device"
+    )
     assert layout.buffers == (
         KVBuffer(4096, 256, 16, 3, "k", "device"),
         KVBuffer(8192, 256, 16, 4, "k", "device"),
@@ -102,6 +104,102 @@ def test_layout_from_kv_args_follows_sglangs_buffer_order() -> None:
     mla = layout_from_kv_args([4096], [1152 * 8], [1152], attention="mla", memory="host", attn_tp_size=4)
     assert mla == KVLayout((KVBuffer(4096, 1152, 8, 0, "kv", "host"),), 4)
     with pytest.raises(LayoutError, match=r"^kv_data_lens\[0\] = 4000 is not a multiple of kv_item_lens\[0\] = 256$"):
-        layout_from_kv_args([4096, 8192], [4000, 4096], [256, 256], attention="mha")
+        layout_from_kv_args([4096, 8192], [4000, 4096], [256, 256], attention="mha", memory="host")
     with pytest.raises(LayoutError, match=r"MHA layout has a K and a V buffer per layer: got 3 buffers"):
-        layout_from_kv_args([1, 2, 3], [256] * 3, [256] * 3, attention="mha")
+        layout_from_kv_args([1, 2, 3], [256] * 3, [256] * 3, attention="mha", memory="host")
+
+
+# -- pool shapes as sglang 0.5.23 builds them (disaggregation/utils.py::build_kv_layer_ids) ----------
+
+
+def _pools(attention: str, layers: int, pages: int, seed: int) -> np.ndarray:
+    buffers = 2 * layers if attention == "mha" else layers
+    return np.random.default_rng(seed).integers(0, 256, (buffers, pages, 64), dtype=np.uint8)
+
+
+def _ptrs(pools: np.ndarray) -> list[int]:
+    return [int(pools[i].ctypes.data) for i in range(pools.shape[0])]
+
+
+@pytest.mark.parametrize(
+    ("attention", "kv_layer_ids"),
+    [
+        ("mha", []),  # every plain pool: sglang sends [] (positional)
+        ("mla", []),
+        ("mha", [7, 9, 7, 9]),  # hybrid MHA: layer_ids * 2, one id per K entry then per V entry
+        ("mla", [7, 9]),  # hybrid MLA: layer_ids
+    ],
+    ids=["plain-mha", "plain-mla", "hybrid-mha", "hybrid-mla"],
+)
+def test_every_pool_shape_sglang_builds_moves_exact_bytes_with_its_own_layer_ids(
+    attention: str, kv_layer_ids: list[int]
+) -> None:
+    src, dst = _pools(attention, 2, 8, 1), _pools(attention, 2, 16, 2)
+    before = dst.copy()
+    kind = "mha" if attention == "mha" else "mla"
+    local = layout_from_kv_args(
+        _ptrs(src), [8 * 64] * len(src), [64] * len(src), kv_layer_ids, attention=kind, memory="host"  # type: ignore[arg-type]
+    )
+    peer = layout_from_kv_args(
+        _ptrs(dst), [16 * 64] * len(dst), [64] * len(dst), kv_layer_ids, attention=kind, memory="host"  # type: ignore[arg-type]
+    )
+    expected_ids = [0, 1] if not kv_layer_ids else [7, 9]
+    assert [b.layer for b in local.buffers] == expected_ids * (2 if attention == "mha" else 1)
+    assert {b.memory for b in local.buffers} == {"host"}
+    sender, receiver = kvwire.connect("local"), kvwire.connect("local")
+    sender.register_kv_buffers(local)
+    receiver.register_kv_buffers(peer)
+    sender.add_peer(receiver.endpoint(), peer)
+    ret = SglangSender(sender).send_kvcache(
+        receiver.endpoint(),
+        np.array([0, 3, 5], np.int32),
+        _ptrs(dst),
+        np.array([15, 2, 9], np.int32),
+        None,  # type: ignore[arg-type]
+        dst_layer_ids=list(kv_layer_ids),  # what transfer_worker passes: the decode's registered list
+        dst_kv_item_len=64,
+    )
+    assert ret == 0
+    assert (dst[:, [15, 2, 9]] == src[:, [0, 3, 5]]).all()
+    untouched = [p for p in range(16) if p not in (15, 2, 9)]
+    assert (dst[:, untouched] == before[:, untouched]).all()
+
+
+def test_layer_ids_from_sglang_reads_each_form_and_refuses_disagreeing_halves() -> None:
+    assert layer_ids_from_sglang(None) is None
+    assert layer_ids_from_sglang([]) is None
+    assert layer_ids_from_sglang([7, 9, 7, 9]) == [7, 9]
+    assert layer_ids_from_sglang([7, 9]) == [7, 9]
+    assert layer_ids_from_sglang([5, 5]) == [5]  # one layer, K and V
+    with pytest.raises(kvwire.InvalidTransferError) as exc:
+        layer_ids_from_sglang([7, 9, 9, 7])
+    assert str(exc.value) == (
+        "dst_layer_ids = [7, 9, 9, 7] repeats layer ids but is not one id per K entry then one per V entry "
+        "(sglang's layer_ids * 2): the K and V halves differ"
+    )
+
+
+def test_disagreeing_halves_of_dst_layer_ids_are_refused_with_a_status_and_nothing_moves(pair: Pair) -> None:
+    adapter, receiver, _, dst = pair
+    before = dst.copy()
+    idx = np.array([1], np.int32)
+    ptrs = [int(dst[0].ctypes.data), int(dst[1].ctypes.data)]
+    ret = adapter.send_kvcache(receiver.endpoint(), idx, ptrs, idx, None, dst_layer_ids=[0, 1, 1, 0])  # type: ignore[arg-type]
+    assert ret == -22
+    assert (dst == before).all()
+
+
+def test_layout_from_kv_args_names_a_bad_item_length_and_a_bad_layer_id_count() -> None:
+    with pytest.raises(LayoutError) as exc:
+        layout_from_kv_args([4096, 8192], [4096, 4096], [0, 256], attention="mha", memory="host")
+    assert str(exc.value) == "kv_item_lens[0] = 0 must be positive (bytes per page)"
+    with pytest.raises(LayoutError) as exc:
+        layout_from_kv_args(
+            [4096, 8192, 12288, 16384], [4096] * 4, [256] * 4, [1, 2, 3], attention="mha", memory="host"
+        )
+    assert str(exc.value) == (
+        "kv_layer_ids has 3 entries; expected none (sglang's [] for positional layers), 2 (one per layer) "
+        "or 4 (one per buffer)"
+    )
+    with pytest.raises(TypeError, match="memory"):
+        layout_from_kv_args([4096], [4096], [256], attention="mla")  # type: ignore[call-arg]

@@ -27,7 +27,14 @@ from kvwire.errors import InvalidTransferError, KvwireError, PeerUnreachableErro
 from kvwire.layout.buffers import HeadLayout, KVBuffer, LayoutError, MemoryKind, Role
 from kvwire.layout.kv_layout import KVLayout
 
-__all__ = ["STATUS_CODES", "KvwireSendMixin", "SglangSender", "layout_from_kv_args", "status_of"]
+__all__ = [
+    "STATUS_CODES",
+    "KvwireSendMixin",
+    "SglangSender",
+    "layer_ids_from_sglang",
+    "layout_from_kv_args",
+    "status_of",
+]
 
 log = logging.getLogger("kvwire.compat.sglang")
 
@@ -47,12 +54,37 @@ def status_of(error: KvwireError) -> int:
     return -1
 
 
+def layer_ids_from_sglang(ids: Sequence[int] | None, name: str = "dst_layer_ids") -> list[int] | None:
+    """kvwire's layer ids (one per layer, or None for positional) from a list as sglang builds it.
+
+    sglang's ``build_kv_layer_ids`` (0.5.23) gives ``[]`` for every pool but the
+    hybrid ones (layers paired by position: None here), ``layer_ids * 2`` for a
+    hybrid MHA pool (one id per K entry, then one per V entry: the first half
+    here, when the halves agree) and ``layer_ids`` for a hybrid MLA pool (kept).
+    The decode registers the same list and ``transfer_worker`` passes it as
+    ``dst_layer_ids``. Halves that differ are refused, naming ``name``.
+    """
+    if ids is None or len(ids) == 0:
+        return None
+    values = [int(i) for i in ids]
+    half = len(values) // 2
+    if len(values) % 2 == 0 and values[:half] == values[half:]:
+        return values[:half]
+    if len(set(values)) != len(values):
+        raise InvalidTransferError(
+            f"{name} = {values} repeats layer ids but is not one id per K entry then one per V entry "
+            "(sglang's layer_ids * 2): the K and V halves differ"
+        )
+    return values
+
+
 class KvwireSendMixin:
     """sglang's ``send_kvcache``, sending through ``self.kvwire_connection``.
 
     Put it before ``MooncakeKVManager`` in the bases and set
     ``self.kvwire_connection`` (a :class:`kvwire.Connection` with the local
     layout registered, and each decode peer added under its session id).
+    ``dst_layer_ids`` is taken as sglang builds it (:func:`layer_ids_from_sglang`).
     """
 
     kvwire_connection: Connection
@@ -77,7 +109,7 @@ class KvwireSendMixin:
                 dst_kv_ptrs,
                 dst_kv_indices,
                 executor,
-                dst_layer_ids,
+                layer_ids_from_sglang(dst_layer_ids),
                 dst_device_kv_indices,
                 dst_kv_item_len,
                 dst_attn_tp_size,
@@ -110,7 +142,7 @@ def layout_from_kv_args(
     kv_layer_ids: Sequence[int] | None = None,
     *,
     attention: Literal["mha", "mla"],
-    memory: MemoryKind = "device",
+    memory: MemoryKind,
     attn_tp_size: int | None = None,
     attn_tp_rank: int | None = None,
     heads: HeadLayout | None = None,
@@ -120,8 +152,10 @@ def layout_from_kv_args(
     sglang orders MHA buffers as every layer's K, then every layer's V; MLA has
     one buffer per layer. ``kv_item_lens`` are bytes per page and ``kv_data_lens``
     bytes per buffer, so a buffer holds ``data_len // item_len`` pages.
-    ``kv_layer_ids`` gives the global layer of each layer (one id per layer), or
-    of each buffer; default ``0..n-1``. GPU KV pools are ``memory="device"``.
+    ``kv_layer_ids`` is taken as sglang builds it (``[]`` or None: ``0..n-1``;
+    see :func:`layer_ids_from_sglang`), or one id per layer. ``memory`` is
+    required: ``"device"`` for GPU pools, ``"host"`` for CPU tensors (a wrong
+    label picks the wrong page ids for split destinations).
     For transfers across attention TP sizes give the rank (sglang's
     ``engine_rank % attn_tp_size``) and ``heads`` (``kv_head_num``,
     ``total_kv_head_num``, head dim, element size, ``page_size``).
@@ -135,18 +169,27 @@ def layout_from_kv_args(
     per_layer = n if attention == "mla" else n // 2
     if attention == "mha" and n % 2:
         raise LayoutError(f"an MHA layout has a K and a V buffer per layer: got {n} buffers (odd)")
-    ids = list(range(per_layer)) if kv_layer_ids is None else [int(i) for i in kv_layer_ids]
-    if len(ids) == per_layer and attention == "mha":
+    try:
+        given = layer_ids_from_sglang(kv_layer_ids, "kv_layer_ids")
+    except InvalidTransferError as exc:
+        raise LayoutError(str(exc)) from None
+    ids = list(range(per_layer)) if given is None else given
+    if len(ids) != per_layer:
+        raise LayoutError(
+            f"kv_layer_ids has {len(ids)} entries; expected none (sglang's [] for positional layers), "
+            f"{per_layer} (one per layer) or {2 * per_layer if attention == 'mha' else per_layer} (one per buffer)"
+        )
+    if attention == "mha":
         ids = ids + ids
-    if len(ids) != n:
-        raise LayoutError(f"kv_layer_ids has {len(ids)} entries; expected {per_layer} (one per layer) or {n}")
     k: Role = "k"
     v: Role = "v"
     kv: Role = "kv"
     roles = [kv] * n if attention == "mla" else [k] * per_layer + [v] * per_layer
     buffers = []
     for i, (ptr, length, item) in enumerate(zip(kv_data_ptrs, kv_data_lens, kv_item_lens)):
-        if item <= 0 or length % item:
+        if item <= 0:
+            raise LayoutError(f"kv_item_lens[{i}] = {item} must be positive (bytes per page)")
+        if length % item:
             raise LayoutError(f"kv_data_lens[{i}] = {length} is not a multiple of kv_item_lens[{i}] = {item}")
         buffers.append(KVBuffer(int(ptr), int(item), int(length) // int(item), ids[i], roles[i], memory))
     return KVLayout(tuple(buffers), attn_tp_size, attn_tp_rank, heads)
