@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from offline import index_unreachable
 
 DOWNLOAD_TIMEOUT_S = 600
 
@@ -93,6 +94,6 @@ def sglang_source() -> Callable[[str], Path]:
         try:
             return sglang_wheel_source(version)
         except SourceUnavailable as exc:
-            pytest.skip(f"sglang {version} source unavailable: {exc}")
+            index_unreachable(f"sglang {version} source unavailable: {exc}")
 
     return get

@@ -695,17 +695,21 @@ def test_python_dash_m_entry_point(tmp_path: Path) -> None:
 # Real sglang releases, read from their wheels.
 
 
-def test_unreachable_index_skips_with_the_reason(
-    sglang_source: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+@pytest.mark.parametrize("ci", ["", "true"], ids=["locally", "in-ci"])
+def test_unreachable_index_skips_with_the_reason_and_fails_in_ci(
+    sglang_source: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ci: str
 ) -> None:
     monkeypatch.setenv("KVWIRE_TEST_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CI", ci)
     for variable in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"):
         monkeypatch.setenv(variable, "http://127.0.0.1:9/simple/")  # the discard port: refused at once
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
     monkeypatch.setenv("PIP_RETRIES", "0")
-    reason = r"^sglang 0\.5\.17 source unavailable: pip download sglang==0\.5\.17 failed: "
-    with pytest.raises(pytest.skip.Exception, match=reason):
+    reason = r"^package index unreachable: sglang 0\.5\.17 source unavailable: pip download sglang==0\.5\.17 failed: "
+    outcome = pytest.fail.Exception if ci else pytest.skip.Exception
+    with pytest.raises(outcome, match=reason) as exc:
         sglang_source("0.5.17")
+    assert str(exc.value).endswith("(CI=true: an install test may not skip)") == bool(ci)
     assert not list((tmp_path / "cache").rglob("*.whl"))
 
 

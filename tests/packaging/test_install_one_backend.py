@@ -22,6 +22,7 @@ from email.parser import Parser
 from pathlib import Path
 
 import pytest
+from offline import index_unreachable
 
 ROOT = Path(__file__).resolve().parents[2]
 DISTRIBUTIONS = [ROOT / "core", *sorted(p.parent for p in (ROOT / "plugins").glob("*/pyproject.toml"))]
@@ -90,7 +91,7 @@ def wheels(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def index_reachable(tmp_path_factory: pytest.TempPathFactory) -> None:
     proc = _run(*PIP, "download", "--quiet", "--no-deps", "--dest", tmp_path_factory.mktemp("probe"), "pluggy")
     if proc.returncode != 0:
-        pytest.skip(f"the package index is unreachable (pip download pluggy failed): {proc.stderr.strip()[-300:]}")
+        index_unreachable(f"pip download pluggy failed: {proc.stderr.strip()[-300:]}")
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _engine_peer import initial_buffer
+from freezing import freeze
 from numpy.typing import NDArray
 
 from kvwire.config import BackendConfig
@@ -533,7 +534,7 @@ def test_frozen_peer_times_out_within_timeout_s_and_is_served_when_resumed(
     try:
         if contacted:
             engine.write(peer.endpoint, src + src_base, dst + peer.addr, length)
-        peer.signal(signal.SIGSTOP)
+        freeze(peer.pid)
         try:
             err, elapsed = raises_within(
                 TransferTimeoutError,

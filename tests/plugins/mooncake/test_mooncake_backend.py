@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from freezing import freeze
 
 import kvwire
 from kvwire import BackendConfig
@@ -128,7 +129,7 @@ def test_frozen_peer_times_out_within_the_configured_timeout() -> None:
     with harness.pair(SPEC, SPEC, 6) as pair:
         prefill, dst = _send_all(pair)
         pid = pair.receiver.pid  # type: ignore[attr-defined]
-        os.kill(pid, signal.SIGSTOP)
+        freeze(pid)
         try:
             start = time.monotonic()
             with pytest.raises(kvwire.TransferTimeoutError):

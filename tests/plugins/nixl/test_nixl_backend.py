@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from freezing import freeze
 
 import kvwire
 from kvwire import BackendConfig
@@ -211,7 +212,7 @@ def test_frozen_peer_times_out_within_the_configured_timeout_and_recovers() -> N
     with harness.pair(SPEC, SPEC, 6) as pair:
         prefill, dst = _pages()
         pid = pair.receiver.pid  # type: ignore[attr-defined]
-        os.kill(pid, signal.SIGSTOP)  # before the first transfer: UCX's connection set-up needs the peer
+        freeze(pid)  # before the first transfer: UCX's connection set-up needs the peer
         try:
             start = time.monotonic()
             with pytest.raises(kvwire.TransferTimeoutError):
@@ -231,7 +232,7 @@ def test_a_peer_frozen_after_first_contact_never_hangs_the_sender() -> None:
         prefill, dst = _pages(seed=7)
         pair.send(prefill[:1], dst[:1])
         pid = pair.receiver.pid  # type: ignore[attr-defined]
-        os.kill(pid, signal.SIGSTOP)
+        freeze(pid)
         try:
             start = time.monotonic()
             with contextlib.suppress(kvwire.TransferTimeoutError):  # a transport needing the peer (TCP) times out

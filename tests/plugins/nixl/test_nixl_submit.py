@@ -10,6 +10,7 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 import submit_scenarios
+from freezing import freeze
 
 import kvwire
 from kvwire import BackendConfig
@@ -41,7 +42,7 @@ def test_a_frozen_peer_times_out_its_submission_while_another_peer_is_served() -
         try:
             pair.connection.add_peer(other.endpoint, other.layout)
             pid = pair.receiver.pid  # type: ignore[attr-defined]
-            os.kill(pid, signal.SIGSTOP)
+            freeze(pid)
             try:
                 ids = np.arange(16, dtype=np.int32)
                 start = time.monotonic()

@@ -1,6 +1,10 @@
 """The contract suite. Every test takes the ``kvwire_harness`` fixture (see pytest_plugin).
 
 Import it into a backend's own tests with ``from kvwire.testing.contract import *``.
+
+Parameter ids say what varies: ``seed1-mha-odd-page`` is random seed 1 on the shape
+``mha-odd-page`` (see :data:`SHAPES`: attention kind and what is unusual about the
+pages); ``dst-page-out-of-range`` and the like name the invalid input sent.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ def test_contract_signature(kvwire_harness: ContractHarness) -> None:
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1, 2], ids=lambda seed: f"seed{seed}")
 def test_contract_round_trip(kvwire_harness: ContractHarness, shape: str, seed: int) -> None:
     """Random fragmented pages of random data land exactly where they should, and nowhere else."""
     local_spec, peer_spec, count = SHAPES[shape]
