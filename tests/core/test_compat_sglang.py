@@ -201,5 +201,8 @@ def test_layout_from_kv_args_names_a_bad_item_length_and_a_bad_layer_id_count() 
         "kv_layer_ids has 3 entries; expected none (sglang's [] for positional layers), 2 (one per layer) "
         "or 4 (one per buffer)"
     )
+    with pytest.raises(LayoutError) as exc:
+        layout_from_kv_args([4096, 8192, 12288, 16384], [4096] * 4, [256] * 4, [5], attention="mha", memory="host")
+    assert str(exc.value).startswith("kv_layer_ids has 1 entries; expected none")
     with pytest.raises(TypeError, match="memory"):
         layout_from_kv_args([4096], [4096], [256], attention="mla")  # type: ignore[call-arg]

@@ -121,3 +121,24 @@ def test_a_failed_write_fails_the_ones_queued_behind_it_to_that_peer_and_no_othe
     finally:
         nixl.agent.fail.set()
         submitter.close()
+
+
+def test_writes_taken_with_a_failed_one_but_not_yet_begun_are_failed_unposted(nixl: _Nixl) -> None:
+    submitter = Submitter(nixl, "test-submitter")  # type: ignore[arg-type]
+    try:
+        with submitter._cond:  # the thread takes all three at once: B and C are in flight, not begun, behind A
+            first = submitter.submit(_job("dead"))
+            behind = [submitter.submit(_job("dead", notification=b"n%d" % k)) for k in range(2)]
+        assert nixl.agent.posting_dead.wait(10)
+        nixl.agent.fail.set()
+        with pytest.raises(kvwire.TransferError) as failed:
+            first.result(timeout=10)
+        for future in behind:
+            with pytest.raises(kvwire.TransferError) as exc:
+                future.result(timeout=10)
+            assert str(exc.value) == f"not started: an earlier write to dead failed ({failed.value}); nothing was sent"
+        assert nixl.agent.posted == ["dead"]  # neither was posted
+        assert nixl.agent.notified == []
+    finally:
+        nixl.agent.fail.set()
+        submitter.close()
