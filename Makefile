@@ -16,7 +16,9 @@ DEV_DEPS := "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.5" "hypothesis>=6
 	"prometheus_client>=0.17"
 # Every distribution: the core and each plugin with a pyproject.toml (a new plugin is picked up by setup and dist).
 PLUGIN_DIRS := $(patsubst %/pyproject.toml,%,$(sort $(wildcard plugins/*/pyproject.toml)))
-DIST_DIRS := core $(PLUGIN_DIRS)
+# Host integrations (hosts/<host>/): distributions that plug kvwire into a serving engine.
+HOST_DIRS := $(patsubst %/pyproject.toml,%,$(sort $(wildcard hosts/*/pyproject.toml)))
+DIST_DIRS := core $(PLUGIN_DIRS) $(HOST_DIRS)
 DISTS  := $(addsuffix /pyproject.toml,$(DIST_DIRS))
 # Editable installs: plugins without extras (no torch, no NIXL wheel), but mooncake with its CPU engine wheel.
 EDITABLES := $(foreach d,$(DIST_DIRS),-e "$(d)$(if $(filter plugins/mooncake,$(d)),[cpu])")

@@ -1,57 +1,15 @@
-"""sglang: ``MooncakeKVManager.send_kvcache`` through a kvwire :class:`~kvwire.Connection`.
-
-:class:`KvwireSendMixin` has exactly the parameter list of sglang's
-``MooncakeKVManager.send_kvcache`` (0.5.18 to 0.5.23, names and annotations as
-sglang writes them; a test reads sglang's released wheel to keep it so). Mixed
-into sglang's manager, it sends through ``self.kvwire_connection`` and answers
-the way sglang's transfer worker expects: ``0`` on success, a non-zero status
-on failure (``if ret != 0`` marks the session failed), with the typed kvwire
-error logged; it never raises into the worker loop for a transfer failure.
-
-:func:`layout_from_kv_args` builds the :class:`~kvwire.KVLayout` of one side
-from sglang's ``KVArgs`` fields. Nothing here imports sglang.
-"""
+"""sglang's ``KVArgs`` as a kvwire :class:`~kvwire.KVLayout`, and sglang's layer ids as kvwire's."""
 
 from __future__ import annotations
 
-import concurrent.futures
-import logging
-from collections.abc import Mapping, Sequence
-from typing import List, Literal, Optional  # noqa: UP035 - sglang's annotations, verbatim
+from collections.abc import Sequence
+from typing import Literal
 
-import numpy as np
-import numpy.typing as npt
-
-from kvwire.connection import Connection
-from kvwire.errors import InvalidTransferError, KvwireError, PeerUnreachableError, TransferTimeoutError
+from kvwire.errors import InvalidTransferError
 from kvwire.layout.buffers import HeadLayout, KVBuffer, LayoutError, MemoryKind, Role
 from kvwire.layout.kv_layout import KVLayout
 
-__all__ = [
-    "STATUS_CODES",
-    "KvwireSendMixin",
-    "SglangSender",
-    "layer_ids_from_sglang",
-    "layout_from_kv_args",
-    "status_of",
-]
-
-log = logging.getLogger("kvwire.compat.sglang")
-
-#: The non-zero status returned for each kvwire error class (most specific first); anything else is -1.
-STATUS_CODES: Mapping[type[KvwireError], int] = {
-    InvalidTransferError: -22,  # bad input, refused before any byte moved
-    TransferTimeoutError: -110,  # the peer did not complete in time
-    PeerUnreachableError: -102,  # Mooncake's ERR_SOCKET: dead or unknown peer
-}
-
-
-def status_of(error: KvwireError) -> int:
-    """The status :meth:`KvwireSendMixin.send_kvcache` returns for ``error`` (never 0)."""
-    for cls, code in STATUS_CODES.items():
-        if isinstance(error, cls):
-            return code
-    return -1
+__all__ = ["layer_ids_from_sglang", "layout_from_kv_args"]
 
 
 def layer_ids_from_sglang(ids: Sequence[int] | None, name: str = "dst_layer_ids") -> list[int] | None:
@@ -76,63 +34,6 @@ def layer_ids_from_sglang(ids: Sequence[int] | None, name: str = "dst_layer_ids"
             "(sglang's layer_ids * 2): the K and V halves differ"
         )
     return values
-
-
-class KvwireSendMixin:
-    """sglang's ``send_kvcache``, sending through ``self.kvwire_connection``.
-
-    Put it before ``MooncakeKVManager`` in the bases and set
-    ``self.kvwire_connection`` (a :class:`kvwire.Connection` with the local
-    layout registered, and each decode peer added under its session id).
-    ``dst_layer_ids`` is taken as sglang builds it (:func:`layer_ids_from_sglang`).
-    """
-
-    kvwire_connection: Connection
-
-    def send_kvcache(
-        self,
-        mooncake_session_id: str,
-        prefill_kv_indices: npt.NDArray[np.int32],
-        dst_kv_ptrs: list[int],
-        dst_kv_indices: npt.NDArray[np.int32],
-        executor: concurrent.futures.ThreadPoolExecutor,
-        dst_layer_ids: Optional[List[int]] = None,  # noqa: UP006, UP045 - sglang's annotation
-        dst_device_kv_indices: Optional[npt.NDArray[np.int32]] = None,  # noqa: UP045 - sglang's annotation
-        dst_kv_item_len: Optional[int] = None,  # noqa: UP045 - sglang's annotation
-        dst_attn_tp_size: Optional[int] = None,  # noqa: UP045 - sglang's annotation
-    ) -> int:
-        """0 when every page arrived; a non-zero status from :data:`STATUS_CODES` when kvwire refused or failed."""
-        try:
-            self.kvwire_connection.send_kvcache(
-                mooncake_session_id,
-                prefill_kv_indices,
-                dst_kv_ptrs,
-                dst_kv_indices,
-                executor,
-                layer_ids_from_sglang(dst_layer_ids),
-                dst_device_kv_indices,
-                dst_kv_item_len,
-                dst_attn_tp_size,
-            )
-        except KvwireError as exc:
-            status = status_of(exc)
-            log.error(
-                "kvwire send_kvcache to session %s failed (status %d, peer %s): %s: %s",
-                mooncake_session_id,
-                status,
-                getattr(exc, "peer", None) or mooncake_session_id,
-                type(exc).__name__,
-                exc,
-            )
-            return status
-        return 0
-
-
-class SglangSender(KvwireSendMixin):
-    """The mixin on its own, around a connection (for hosts that call sglang's signature without sglang)."""
-
-    def __init__(self, connection: Connection) -> None:
-        self.kvwire_connection = connection
 
 
 def layout_from_kv_args(

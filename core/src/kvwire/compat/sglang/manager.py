@@ -1,0 +1,147 @@
+"""``KvwireManagerMixin``: sglang's ``MooncakeKVManager`` with its KV sends through kvwire, peers wired by sglang.
+
+Mixed in first over sglang's own class (``class M(KvwireManagerMixin,
+MooncakeKVManager)``; the ``kvwire-sglang`` distribution does this inside sglang
+through its plugin framework). It reads only attributes sglang's manager sets
+and imports nothing of sglang. In both roles:
+
+- ``init_engine`` (called by sglang's constructor after the parallel layout is
+  known, before any sglang thread starts, so there is no race): after sglang's
+  engine comes up, a kvwire connection over that very engine (kvwire creates
+  none, and registers no memory: sglang registers its pools) with the local
+  layout from ``kv_args``;
+- ``teardown`` also closes the connection.
+
+Decode role: ``build_receiver_registration_message`` appends the layout frame
+(:mod:`kvwire.compat.sglang.registration`). Prefill role: the registration
+receiver notes that frame, and ``_publish_peer_registration`` (sglang's step
+that records a decode's registration) adds the decode as a kvwire peer under
+its session id, after checking that the frame's buffers are the pointers sglang
+registered. A decode without the frame (no kvwire on that side) is logged and
+left unknown to kvwire: its sends are refused (status -22), never sent blind.
+``send_kvcache`` is :class:`~kvwire.compat.sglang.send.KvwireSendMixin`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+from kvwire.compat.sglang.layout import layout_from_kv_args
+from kvwire.compat.sglang.registration import layout_frame, layout_from_frames
+from kvwire.compat.sglang.send import KvwireSendMixin
+from kvwire.config import BackendConfig
+from kvwire.errors import KvwireError
+from kvwire.layout.kv_layout import KVLayout
+from kvwire.registry.manager import connect
+
+__all__ = ["KvwireManagerMixin"]
+
+log = logging.getLogger("kvwire.compat.sglang")
+
+
+class KvwireManagerMixin(KvwireSendMixin):
+    """sglang's Mooncake KV manager, sending KV pages through kvwire (see the module docstring)."""
+
+    #: The kvwire backend that drives sglang's engine (it must accept ``options={"engine": ...}``).
+    kvwire_backend: ClassVar[str] = "mooncake"
+
+    kvwire_layout: KVLayout
+    # sglang's attributes this mixin reads (set by sglang's CommonKVManager / MooncakeKVManager)
+    kv_args: Any
+    engine: Any
+    is_mla_backend: bool | None
+    attn_tp_size: int
+    attn_tp_rank: int
+    server_args: Any
+
+    def init_engine(self) -> None:
+        super().init_engine()  # type: ignore[misc]  # sglang's: self.engine, the shared Mooncake engine
+        self._kvwire_lock = threading.Lock()
+        self._kvwire_registered: dict[str, KVLayout] = {}
+        self.kvwire_layout = self.kvwire_local_layout()
+        config = BackendConfig(options={"engine": self.engine.engine, "host_registered": True})
+        self.kvwire_connection = connect(self.kvwire_backend, config)
+        self.kvwire_connection.register_kv_buffers(self.kvwire_layout)
+
+    def kvwire_local_layout(self) -> KVLayout:
+        """This rank's layout, from sglang's ``kv_args`` (host memory when sglang runs on CPU)."""
+        a = self.kv_args
+        return layout_from_kv_args(
+            a.kv_data_ptrs,
+            a.kv_data_lens,
+            a.kv_item_lens,
+            a.kv_layer_ids,
+            attention="mla" if self.is_mla_backend else "mha",
+            memory="host" if getattr(self.server_args, "device", None) == "cpu" else "device",
+            attn_tp_size=int(self.attn_tp_size),
+            attn_tp_rank=int(self.attn_tp_rank),
+        )
+
+    # -- decode role: publish the layout ---------------------------------------------------
+
+    def build_receiver_registration_message(self) -> list[bytes]:
+        frames: list[bytes] = super().build_receiver_registration_message()  # type: ignore[misc]
+        session_id = frames[3].decode("ascii")
+        return [*frames, layout_frame(session_id, self.kvwire_layout)]
+
+    # -- prefill role: wire each registering decode as a kvwire peer ------------------------
+
+    def _make_worker_recv(self, socket: Any, timeout_ms: int = 500) -> Callable[[], Any]:
+        recv: Callable[[], Any] = super()._make_worker_recv(socket, timeout_ms)  # type: ignore[misc]
+
+        def recv_noting_layouts() -> Any:
+            frames = recv()
+            if frames is not None and len(frames) > 3 and frames[0] == b"None":  # a decode's registration
+                self._kvwire_note_registration(frames)
+            return frames
+
+        return recv_noting_layouts
+
+    def _kvwire_note_registration(self, frames: Sequence[bytes]) -> None:
+        session_id = bytes(frames[3]).decode("ascii", "replace")
+        try:
+            layout = layout_from_frames(frames, session_id)
+        except KvwireError as exc:
+            log.error("kvwire: decode session %.200s sent a layout kvwire refuses: %s", session_id, exc)
+            return
+        if layout is not None:
+            with self._kvwire_lock:
+                self._kvwire_registered[session_id] = layout
+
+    def _publish_peer_registration(self, mooncake_session_id: str, decode_kv_args: Any) -> Any:
+        verdict = super()._publish_peer_registration(mooncake_session_id, decode_kv_args)  # type: ignore[misc]
+        with self._kvwire_lock:
+            layout = self._kvwire_registered.pop(mooncake_session_id, None)
+        if layout is None:
+            log.error(
+                "kvwire: decode session %s registered without a kvwire layout (install kvwire-sglang on the "
+                "decode side and enable it: SGLANG_PLUGINS=kvwire); sends to it are refused",
+                mooncake_session_id,
+            )
+            self.kvwire_connection.remove_peer(mooncake_session_id)
+            return verdict
+        registered = [int(p) for p in decode_kv_args.dst_kv_ptrs]
+        published = [b.base for b in layout.buffers]
+        if registered != published:
+            log.error(
+                "kvwire: decode session %s published buffers at %s but registered dst_kv_ptrs %s with sglang; "
+                "sends to it are refused",
+                mooncake_session_id,
+                [hex(p) for p in published[:8]],
+                [hex(p) for p in registered[:8]],
+            )
+            self.kvwire_connection.remove_peer(mooncake_session_id)
+            return verdict
+        try:
+            self.kvwire_connection.add_peer(mooncake_session_id, layout)
+        except KvwireError as exc:
+            log.error("kvwire: decode session %s cannot be added as a peer: %s", mooncake_session_id, exc)
+            self.kvwire_connection.remove_peer(mooncake_session_id)
+        return verdict
+
+    def teardown(self) -> None:
+        super().teardown()  # type: ignore[misc]
+        self.kvwire_connection.close()

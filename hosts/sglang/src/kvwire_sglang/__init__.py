@@ -1,0 +1,1 @@
+"""kvwire inside a stock sglang, selected through sglang's own plugin framework (see :mod:`kvwire_sglang.plugin`)."""
