@@ -27,6 +27,24 @@ def test_send_needs_a_local_layout_first() -> None:
         backend.send_kvcache("p", IDX, [1 << 20], IDX, None)
 
 
+class NativeLocal(LocalBackend):
+    """The local backend declaring submit, so its base ``submit_kvcache`` is reached directly."""
+
+    capabilities = LocalBackend.capabilities | {"submit"}
+
+
+def test_each_hook_before_register_kv_buffers_names_itself() -> None:
+    backend = NativeLocal(BackendConfig())
+    backend.add_peer("p", KVLayout((KVBuffer(1 << 20, 64, 8, 0, "kv"),)))
+    request = kvwire.TransferRequest(IDX, [1 << 20], IDX)
+    with pytest.raises(InvalidTransferError) as exc:
+        backend.submit_kvcache("p", request)
+    assert str(exc.value) == "register_kv_buffers() must be called before submit_kvcache()"
+    with pytest.raises(InvalidTransferError) as exc:
+        backend.send_notification("p", b"n")
+    assert str(exc.value) == "register_kv_buffers() must be called before send_notification()"
+
+
 def test_send_needs_the_peer_layout_first() -> None:
     sender, _, _, dst = _pair()
     sender.add_peer("p", KVLayout.mla([dst]))

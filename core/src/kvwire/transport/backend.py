@@ -119,7 +119,7 @@ class TransportBackend(ABC):
             dst_attn_tp_size=dst_attn_tp_size,
         )
         self._refuse_unsupported(request.features())
-        local, peer = self._layouts(session_id)
+        local, peer = self._layouts(session_id, "send_kvcache")
         started = telemetry.clock()
         plan = plan_request(request, local, peer)
         planned = telemetry.clock()
@@ -135,7 +135,7 @@ class TransportBackend(ABC):
         """Plan now (input errors raise here), then hand the plan to the transport's ``submit``."""
         needed = {"submit"} | ({"notifications"} if notification is not None else set())
         self._refuse_unsupported(request.features() | needed, "submit_kvcache")
-        local, peer = self._layouts(session_id)
+        local, peer = self._layouts(session_id, "submit_kvcache")
         plan = plan_request(request, local, peer)
         future = TransferFuture(session_id, plan.nbytes, len(plan))
         if len(plan):
@@ -151,7 +151,7 @@ class TransportBackend(ABC):
     @hookimpl
     def send_notification(self, session_id: str, message: bytes) -> None:
         self._refuse_unsupported({"notifications"}, "send_notification")
-        self._layouts(session_id)  # a known peer
+        self._layouts(session_id, "send_notification")  # a known peer
         self.transport.notify(session_id, message)
 
     @hookimpl
@@ -188,11 +188,11 @@ class TransportBackend(ABC):
         raw: object = getattr(cls, "capabilities", frozenset())
         return frozenset(str(c) for c in raw) if isinstance(raw, (set, frozenset)) else frozenset()
 
-    def _layouts(self, session_id: str) -> tuple[KVLayout, KVLayout]:
+    def _layouts(self, session_id: str, hook: str) -> tuple[KVLayout, KVLayout]:
         with self._lock:
             local = self._local
         if local is None:
-            raise InvalidTransferError("register_kv_buffers() must be called before send_kvcache()")
+            raise InvalidTransferError(f"register_kv_buffers() must be called before {hook}()")
         return local, self._peers.known(session_id)
 
     def _unregister(self, bases: Sequence[int]) -> None:

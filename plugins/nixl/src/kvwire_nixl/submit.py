@@ -225,7 +225,8 @@ class Submitter:
         self._thread.join(timeout=30)
         unstarted = "the NIXL transport was closed before this write started; nothing was sent"
         for job in queued:
-            self._completer.submit(partial(fail_unstarted, job.future, kvwire.TransferError(unstarted)))
+            refused = kvwire.TransferError(unstarted, peer=job.write.session)
+            self._completer.submit(partial(fail_unstarted, job.future, refused))
         for job in self._inflight:
             release(self._nixl, job.write.handles)  # what NIXL refuses now is released with the agent
             closed = "the NIXL transport was closed " + (
