@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import time
-from concurrent.futures import wait
+from concurrent.futures import Future, wait
 
 import numpy as np
 import pytest
@@ -87,16 +88,38 @@ def notifications_in_send_order(backend: str) -> None:
 
 
 def close_with_submissions_in_flight(backend: str) -> None:
-    """A 64 MiB write and 25 small ones submitted, then close(): every future is done when it returns, each
-    with its bytes, cancelled, or a typed error; nothing is left pending."""
+    """A 64 MiB write and 16 small ones to one peer, then close(): when it returns every future is done, and in
+    submission order a run of writes that completed (their bytes, verified on the peer) is followed by a run
+    that never started (cancelled, or failed typed with "nothing was sent"), whose pages are left unchanged."""
     spec = LayoutSpec("mha", (0, 1, 2, 3), 256, 65536)
     harness = ContractHarness(backend, two_process=True)
     with harness.pair(spec, spec, 23) as pair:
         rng = np.random.default_rng(23)
-        futures = [pair.submit(rng.permutation(256)[:128].astype(np.int32), np.arange(128, dtype=np.int32))]
-        futures += [pair.submit(*(np.arange(k, k + 8, dtype=np.int32),) * 2) for k in range(0, 200, 8)]
+        requests = [(rng.permutation(256)[:128].astype(np.int32), np.arange(128, dtype=np.int32))]
+        small = [np.arange(k, k + 8, dtype=np.int32) for k in range(0, 128, 8)]
+        requests += [(pages, pages + 128) for pages in small]
+        futures = [pair.submit(*request) for request in requests]  # destinations are disjoint
         pair.connection.close()
         assert all(f.done() for f in futures)
-        for future in futures:
-            exc = None if future.cancelled() else future.exception()
-            assert exc is None or isinstance(exc, kvwire.TransferError), exc
+        outcomes = "".join(_outcome(f) for f in futures)
+        assert re.fullmatch("S*U*", outcomes), f"completed, then never started, in submission order: {outcomes}"
+        print(f"close with {len(futures)} submitted: {outcomes}")
+        expected = pair.initial_peer().views
+        for (prefill, pages), outcome in zip(requests, outcomes):
+            if outcome == "S":
+                expected = expected_buffers(
+                    pair.memory.views, pair.local, expected, pair.receiver.layout, prefill, pages
+                )
+        assert pair.receiver.hashes() == buffer_digests(expected)
+
+
+def _outcome(future: Future[int]) -> str:
+    """S: completed with its planned bytes; U: never started (cancelled, or refused with nothing sent)."""
+    if future.cancelled():
+        return "U"
+    exc = future.exception()
+    if exc is None:
+        assert future.result() == future.nbytes  # type: ignore[attr-defined]
+        return "S"
+    assert isinstance(exc, kvwire.TransferError) and "nothing was sent" in str(exc), repr(exc)
+    return "U"
