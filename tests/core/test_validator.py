@@ -215,3 +215,22 @@ def test_a_later_parameter_out_of_place_is_still_drift() -> None:
 
     rules = {f.rule for f in kvwire.validate_backend(Shuffled, ORIGIN).findings}
     assert rules == {"unknown-parameter"}
+
+
+def test_a_hook_that_swallows_arguments_is_refused_in_process() -> None:
+    """The in-process twin of the entry-point test: ``**kwargs`` in a hook hides every spec parameter."""
+
+    class Swallows(Recorder):
+        @kvwire.hookimpl
+        def send_kvcache(self, session_id: str, **kwargs: object) -> int:  # type: ignore[override]
+            return 0
+
+    result = kvwire.validate_backend(Swallows, ORIGIN)
+    assert result.status == "drift"
+    swallowed = [f for f in result.findings if f.rule == "var-args"]
+    assert [(f.hook, f.message) for f in swallowed] == [
+        ("send_kvcache", "`**kwargs` would swallow arguments (pluggy passes it nothing, so values are lost)")
+    ]
+    assert swallowed[0].fix.startswith(
+        "replace `**kwargs` with the spec's parameters: session_id, prefill_kv_indices, dst_kv_ptrs"
+    )
