@@ -17,7 +17,7 @@ import pytest
 
 import kvwire
 from kvwire_nixl.feed import DONE, PROC, Group, Write
-from kvwire_nixl.submit import Job, Submitter
+from kvwire_nixl.queues import Job, Submitter
 
 
 class _Handle:

@@ -46,7 +46,7 @@ from kvwire_nixl.locate import import_nixl
 from kvwire_nixl.memory import Segment
 from kvwire_nixl.options import NixlOptions
 from kvwire_nixl.quiet import Quiet, install_filter
-from kvwire_nixl.serial import SerialThread
+from kvwire_nixl.workers import SerialThread
 
 __all__ = ["UCX", "NixlAgent", "agent_name"]
 

@@ -4,7 +4,7 @@ Registers each layout buffer with NIXL (``DRAM``, or ``VRAM`` for CUDA device
 memory), publishes the agent's metadata in its endpoint (see
 :mod:`kvwire_nixl.endpoint`), loads a peer's metadata in ``add_peer``, and
 writes a plan as NIXL descriptor tables (:mod:`kvwire_nixl.xfer`), blocking or
-submitted (:mod:`kvwire_nixl.submit`), and carries notifications with NIXL's own
+submitted (:mod:`kvwire_nixl.queues`), and carries notifications with NIXL's own
 (``send_notif`` / ``get_new_notifs``).
 """
 
@@ -23,7 +23,7 @@ from kvwire_nixl.endpoint import Region, decode_endpoint, encode_endpoint
 from kvwire_nixl.feed import Write
 from kvwire_nixl.memory import segment_of
 from kvwire_nixl.options import NixlOptions
-from kvwire_nixl.submit import Job, Submitter
+from kvwire_nixl.queues import Job, Submitter
 from kvwire_nixl.xfer import RegionIndex, groups_of, raw_transfer, transfer
 
 __all__ = ["NixlTransport"]
@@ -148,7 +148,7 @@ class NixlTransport(kvwire.Transport):
         transfer(self.agent, groups, peer.agent, session_id, deadline)
 
     def submit(self, session_id: str, plan: kvwire.TransferPlan, notification: bytes | None) -> Future[None]:
-        """Check and tabulate now; the submitter thread posts, polls and completes (see :mod:`kvwire_nixl.submit`)."""
+        """Check and tabulate now; the submitter thread posts, polls and completes (see :mod:`kvwire_nixl.queues`)."""
         peer = self._peer(session_id)
         self.regions.check(plan.src, plan.length)
         groups = groups_of(plan, self._local_index, peer.regions)

@@ -40,7 +40,7 @@ from kvwire.submit import fail_unstarted, queued_behind
 from kvwire_nixl.agent import NixlAgent
 from kvwire_nixl.errors import translate
 from kvwire_nixl.feed import Group, Write, feed
-from kvwire_nixl.serial import SerialThread
+from kvwire_nixl.workers import SerialThread
 from kvwire_nixl.xfer import poll_locked, release, release_locked, timed_out
 
 __all__ = ["Job", "Submitter"]
