@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import kvwire
 from kvwire import KVBuffer, KVLayout, LayoutError
-from kvwire.compat.sglang import SglangSender, layer_ids_from_sglang, layout_from_kv_args, status_of
+from kvwire.compat.sglang import (
+    KvwireManagerMixin,
+    SglangSender,
+    layer_ids_from_sglang,
+    layout_from_kv_args,
+    status_of,
+)
+from kvwire.compat.sglang.manager import heads_of_kv_args
 
 Pair = tuple[SglangSender, kvwire.Connection, np.ndarray, np.ndarray]
 
@@ -22,12 +30,22 @@ def pair() -> Pair:
     sender = kvwire.connect("local")
     receiver = kvwire.connect("local")
     local = layout_from_kv_args(
-        [int(src[0].ctypes.data), int(src[1].ctypes.data)], [16 * 128] * 2, [128] * 2, [0], attention="mha",
-        memory="host", attn_tp_size=1,
+        [int(src[0].ctypes.data), int(src[1].ctypes.data)],
+        [16 * 128] * 2,
+        [128] * 2,
+        [0],
+        attention="mha",
+        memory="host",
+        attn_tp_size=1,
     )
     peer = layout_from_kv_args(
-        [int(dst[0].ctypes.data), int(dst[1].ctypes.data)], [32 * 128] * 2, [128] * 2, [0], attention="mha",
-        memory="host", attn_tp_size=2,
+        [int(dst[0].ctypes.data), int(dst[1].ctypes.data)],
+        [32 * 128] * 2,
+        [128] * 2,
+        [0],
+        attention="mha",
+        memory="host",
+        attn_tp_size=2,
     )
     sender.register_kv_buffers(local)
     receiver.register_kv_buffers(peer)
@@ -138,10 +156,20 @@ def test_every_pool_shape_sglang_builds_moves_exact_bytes_with_its_own_layer_ids
     before = dst.copy()
     kind = "mha" if attention == "mha" else "mla"
     local = layout_from_kv_args(
-        _ptrs(src), [8 * 64] * len(src), [64] * len(src), kv_layer_ids, attention=kind, memory="host"  # type: ignore[arg-type]
+        _ptrs(src),
+        [8 * 64] * len(src),
+        [64] * len(src),
+        kv_layer_ids,
+        attention=kind,
+        memory="host",  # type: ignore[arg-type]
     )
     peer = layout_from_kv_args(
-        _ptrs(dst), [16 * 64] * len(dst), [64] * len(dst), kv_layer_ids, attention=kind, memory="host"  # type: ignore[arg-type]
+        _ptrs(dst),
+        [16 * 64] * len(dst),
+        [64] * len(dst),
+        kv_layer_ids,
+        attention=kind,
+        memory="host",  # type: ignore[arg-type]
     )
     expected_ids = [0, 1] if not kv_layer_ids else [7, 9]
     assert [b.layer for b in local.buffers] == expected_ids * (2 if attention == "mha" else 1)
@@ -206,3 +234,126 @@ def test_layout_from_kv_args_names_a_bad_item_length_and_a_bad_layer_id_count() 
     assert str(exc.value).startswith("kv_layer_ids has 1 entries; expected none")
     with pytest.raises(TypeError, match="memory"):
         layout_from_kv_args([4096], [4096], [256], attention="mla")  # type: ignore[call-arg]
+
+
+# -- sglang's MHA path across attention-TP sizes (send_kvcache_slice) through kvwire's head slicing ----
+
+
+class _Manager(KvwireManagerMixin):
+    """The mixin's send paths on their own (sglang's manager is not needed for them)."""
+
+    def __init__(self, connection: kvwire.Connection) -> None:
+        self.kvwire_connection = connection
+
+
+def _heads_args(pools: np.ndarray, kv_heads: int, total: int) -> SimpleNamespace:
+    return SimpleNamespace(page_size=4, kv_head_num=kv_heads, total_kv_head_num=total, kv_item_lens=[pools.shape[2]])
+
+
+def test_send_kvcache_slice_moves_each_decode_ranks_heads_token_by_token() -> None:
+    """Prefill TP 1 holds heads 0 and 1; decode TP 2 rank r holds head r. Pages of 4 tokens x heads x 16 bytes."""
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, (2, 8, 4 * 2 * 16), dtype=np.uint8)  # K and V of one layer
+    dsts = [rng.integers(0, 256, (2, 8, 4 * 1 * 16), dtype=np.uint8) for _ in range(2)]
+    before = [d.copy() for d in dsts]
+    local = layout_from_kv_args(
+        _ptrs(src),
+        [src[0].nbytes] * 2,
+        [src.shape[2]] * 2,
+        [],
+        attention="mha",
+        memory="host",
+        attn_tp_size=1,
+        attn_tp_rank=0,
+        heads=heads_of_kv_args(_heads_args(src, 2, 2)),
+    )
+    sender = kvwire.connect("local")
+    sender.register_kv_buffers(local)
+    manager, receivers = _Manager(sender), []
+    for rank, dst in enumerate(dsts):
+        peer = layout_from_kv_args(
+            _ptrs(dst),
+            [dst[0].nbytes] * 2,
+            [dst.shape[2]] * 2,
+            [],
+            attention="mha",
+            memory="host",
+            attn_tp_size=2,
+            attn_tp_rank=rank,
+            heads=heads_of_kv_args(_heads_args(dst, 1, 2)),
+        )
+        receiver = kvwire.connect("local")
+        receiver.register_kv_buffers(peer)
+        sender.add_peer(receiver.endpoint(), peer)
+        receivers.append(receiver)
+        ret = manager.send_kvcache_slice(
+            receiver.endpoint(),
+            np.array([1, 6], np.int32),
+            _ptrs(dst),
+            np.array([7, 0], np.int32),
+            rank,
+            2,
+            dst.shape[2],
+            None,
+            [],  # type: ignore[arg-type]
+        )
+        assert ret == 0
+    for rank, dst in enumerate(dsts):
+        for s, d in ((1, 7), (6, 0)):
+            for t in range(4):  # token t, the one head of this rank: the prefill's head `rank` of token t
+                src_bytes = src[:, s, (t * 2 + rank) * 16 : (t * 2 + rank + 1) * 16]
+                assert (dst[:, d, t * 16 : (t + 1) * 16] == src_bytes).all()
+        untouched = [p for p in range(8) if p not in (7, 0)]
+        assert (dst[:, untouched] == before[rank][:, untouched]).all()
+
+
+def test_send_kvcache_slice_to_a_rank_the_decode_did_not_publish_is_refused(caplog: pytest.LogCaptureFixture) -> None:
+    src = np.zeros((2, 8, 128), np.uint8)
+    dst = np.ones((2, 8, 64), np.uint8)
+    sender, receiver = kvwire.connect("local"), kvwire.connect("local")
+    sender.register_kv_buffers(
+        layout_from_kv_args(
+            _ptrs(src),
+            [1024] * 2,
+            [128] * 2,
+            [],
+            attention="mha",
+            memory="host",
+            attn_tp_size=1,
+            attn_tp_rank=0,
+            heads=heads_of_kv_args(_heads_args(src, 2, 2)),
+        )
+    )
+    peer = layout_from_kv_args(
+        _ptrs(dst),
+        [512] * 2,
+        [64] * 2,
+        [],
+        attention="mha",
+        memory="host",
+        attn_tp_size=2,
+        attn_tp_rank=1,
+        heads=heads_of_kv_args(_heads_args(dst, 1, 2)),
+    )
+    receiver.register_kv_buffers(peer)
+    sender.add_peer(receiver.endpoint(), peer)
+    with caplog.at_level(logging.ERROR, logger="kvwire.compat.sglang"):
+        ret = _Manager(sender).send_kvcache_slice(
+            receiver.endpoint(),
+            np.array([1], np.int32),
+            _ptrs(dst),
+            np.array([1], np.int32),
+            0,
+            2,
+            64,
+            None,  # type: ignore[arg-type]
+        )
+    assert ret == -22
+    assert "dst_tp_rank = 0, but the decode published attention-TP rank 1" in caplog.text
+    with caplog.at_level(logging.ERROR, logger="kvwire.compat.sglang"):  # sglang's view of the decode's TP size
+        ret = _Manager(sender).send_kvcache_slice(
+            receiver.endpoint(), np.array([1], np.int32), _ptrs(dst), np.array([1], np.int32), 1, 4, 64, None  # type: ignore[arg-type]
+        )
+    assert ret == -22
+    assert "dst_attn_tp_size = 4, but the peer's layout records attention TP size 2" in caplog.text
+    assert (dst == 1).all()

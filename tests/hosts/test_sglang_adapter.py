@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvwire.compat.sglang import KvwireSendMixin
+from kvwire.compat.sglang import KvwireManagerMixin, KvwireSendMixin
 from kvwire.spec import CURRENT, spec_hooks
 
 pytestmark = pytest.mark.slow
@@ -109,3 +109,40 @@ def test_every_call_of_the_transfer_worker_is_accepted_by_spec_and_adapter(conn_
             assert keyword in adapter, f"the adapter lacks {keyword}, passed by {method} line {line}"
         positional = [RENAMED.get(name, name) for name in adapter[: len(call.args)]]
         assert positional == spec[: len(call.args)]  # same order: a positional caller lands on the same names
+
+
+@pytest.fixture(scope="module")
+def common_py(sglang_source: Callable[[str], Path]) -> ast.Module:
+    path = sglang_source("0.5.23") / "sglang" / "srt" / "disaggregation" / "common" / "conn.py"
+    return ast.parse(path.read_text(), str(path))
+
+
+def test_send_kvcache_slice_has_exactly_sglangs_parameters(conn_py: ast.Module) -> None:
+    sglang = _params(_method(conn_py, "MooncakeKVManager", "send_kvcache_slice"))
+    own = ast.parse(textwrap.dedent(inspect.getsource(KvwireManagerMixin.send_kvcache_slice)))
+    assert _params(own.body[0]) == sglang  # type: ignore[arg-type]
+
+
+#: Every sglang method the manager mixin overrides, and the class of sglang 0.5.23 that defines it.
+OVERRIDDEN = {
+    "init_engine": ("mooncake", "MooncakeKVManager"),
+    "build_receiver_registration_message": ("mooncake", "MooncakeKVManager"),
+    "_publish_peer_registration": ("mooncake", "MooncakeKVManager"),
+    "teardown": ("mooncake", "MooncakeKVManager"),
+    "_make_worker_recv": ("common", "CommonKVManager"),
+}
+
+
+def test_every_method_the_manager_mixin_overrides_exists_in_sglang_with_the_same_parameters(
+    conn_py: ast.Module, common_py: ast.Module
+) -> None:
+    overridden = {
+        name for name, value in vars(KvwireManagerMixin).items() if callable(value) and not name.startswith("kvwire")
+    }
+    assert overridden - {"send_kvcache_slice", "_kvwire_note_registration"} == set(OVERRIDDEN)
+    for name, (module, cls) in OVERRIDDEN.items():
+        theirs = _params(_method(conn_py if module == "mooncake" else common_py, cls, name))
+        own = ast.parse(textwrap.dedent(inspect.getsource(getattr(KvwireManagerMixin, name))))
+        ours = _params(own.body[0])  # type: ignore[arg-type]
+        # names, kinds and defaults as sglang calls them; the annotations are the mixin's own
+        assert [(k, n, d) for k, n, _, d in ours] == [(k, n, d) for k, n, _, d in theirs], name

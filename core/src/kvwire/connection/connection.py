@@ -143,6 +143,11 @@ class Connection:
         self._call("add_peer", session_id=session_id, layout=layout)
         self._peers.add(session_id, layout)
 
+    def peer_layout(self, session_id: str) -> KVLayout | None:
+        """The layout :meth:`add_peer` recorded for ``session_id``, or None for an unknown peer."""
+        check_session_id(session_id)
+        return self._peers.get(session_id)
+
     def remove_peer(self, session_id: str) -> None:
         """Forget a peer: its layout here and in the backend, and the engine's per-peer resources.
 

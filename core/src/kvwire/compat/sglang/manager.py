@@ -19,27 +19,50 @@ that records a decode's registration) adds the decode as a kvwire peer under
 its session id, after checking that the frame's buffers are the pointers sglang
 registered. A decode without the frame (no kvwire on that side) is logged and
 left unknown to kvwire: its sends are refused (status -22), never sent blind.
-``send_kvcache`` is :class:`~kvwire.compat.sglang.send.KvwireSendMixin`'s.
+``send_kvcache`` is :class:`~kvwire.compat.sglang.send.KvwireSendMixin`'s, and
+``send_kvcache_slice`` (MHA across attention-TP sizes) goes through it too:
+kvwire plans the head slices from the two published layouts.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, List, Optional  # noqa: UP035 - sglang's annotations, verbatim
+
+import numpy as np
+import numpy.typing as npt
 
 from kvwire.compat.sglang.layout import layout_from_kv_args
 from kvwire.compat.sglang.registration import layout_frame, layout_from_frames
-from kvwire.compat.sglang.send import KvwireSendMixin
+from kvwire.compat.sglang.send import STATUS_CODES, KvwireSendMixin
 from kvwire.config import BackendConfig
-from kvwire.errors import KvwireError
+from kvwire.errors import InvalidTransferError, KvwireError
+from kvwire.layout.buffers import HeadLayout, LayoutError
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.registry.manager import connect
 
-__all__ = ["KvwireManagerMixin"]
+__all__ = ["KvwireManagerMixin", "heads_of_kv_args"]
 
 log = logging.getLogger("kvwire.compat.sglang")
+
+
+def heads_of_kv_args(kv_args: Any) -> HeadLayout:
+    """How an MHA rank's pages hold heads, from ``KVArgs``: token-major pages of ``kv_head_num`` heads.
+
+    sglang's item length is ``page_size * kv_head_num * head_dim * element size`` bytes; kvwire needs
+    only the bytes of one head of one token, so the element is counted as one byte.
+    """
+    page_size, heads = int(kv_args.page_size), int(kv_args.kv_head_num)
+    item = int(kv_args.kv_item_lens[0])
+    if page_size <= 0 or heads <= 0 or item % (page_size * heads):
+        raise LayoutError(
+            f"kv_item_lens[0] = {item} is not page_size ({page_size}) x kv_head_num ({heads}) x bytes per head"
+        )
+    total = int(getattr(kv_args, "total_kv_head_num", 0) or 0) or heads
+    return HeadLayout(heads, total, item // (page_size * heads), 1, page_size)
 
 
 class KvwireManagerMixin(KvwireSendMixin):
@@ -67,17 +90,62 @@ class KvwireManagerMixin(KvwireSendMixin):
         self.kvwire_connection.register_kv_buffers(self.kvwire_layout)
 
     def kvwire_local_layout(self) -> KVLayout:
-        """This rank's layout, from sglang's ``kv_args`` (host memory when sglang runs on CPU)."""
+        """This rank's layout, from sglang's ``kv_args`` (host memory when sglang runs on CPU).
+
+        An MHA layout records its heads (:func:`heads_of_kv_args`), so that kvwire can move head
+        slices between different attention-TP sizes.
+        """
         a = self.kv_args
+        mla = bool(self.is_mla_backend)
         return layout_from_kv_args(
             a.kv_data_ptrs,
             a.kv_data_lens,
             a.kv_item_lens,
             a.kv_layer_ids,
-            attention="mla" if self.is_mla_backend else "mha",
+            attention="mla" if mla else "mha",
             memory="host" if getattr(self.server_args, "device", None) == "cpu" else "device",
             attn_tp_size=int(self.attn_tp_size),
             attn_tp_rank=int(self.attn_tp_rank),
+            heads=None if mla else heads_of_kv_args(a),
+        )
+
+    def send_kvcache_slice(
+        self,
+        mooncake_session_id: str,
+        prefill_kv_indices: npt.NDArray[np.int32],
+        dst_kv_ptrs: list[int],
+        dst_kv_indices: npt.NDArray[np.int32],
+        dst_tp_rank: int,
+        dst_attn_tp_size: int,
+        dst_kv_item_len: int,
+        executor: concurrent.futures.ThreadPoolExecutor,
+        dst_layer_ids: Optional[List[int]] = None,  # noqa: UP006, UP045 - sglang's annotation
+    ) -> int:
+        """sglang's MHA path across attention-TP sizes, as one kvwire send: kvwire plans the head slices.
+
+        The decode's published layout records its TP size, rank and heads; a ``dst_tp_rank`` that is
+        not the rank it published is refused (status -22) before any byte moves.
+        """
+        peer = self.kvwire_connection.peer_layout(mooncake_session_id)
+        if peer is not None and peer.attn_tp_rank is not None and peer.attn_tp_rank != dst_tp_rank:
+            log.error(
+                "kvwire send_kvcache_slice to session %s refused (status -22): dst_tp_rank = %d, but the "
+                "decode published attention-TP rank %d",
+                mooncake_session_id,
+                dst_tp_rank,
+                peer.attn_tp_rank,
+            )
+            return STATUS_CODES[InvalidTransferError]
+        return self.send_kvcache(
+            mooncake_session_id,
+            prefill_kv_indices,
+            dst_kv_ptrs,
+            dst_kv_indices,
+            executor,
+            dst_layer_ids,
+            None,
+            dst_kv_item_len,
+            dst_attn_tp_size,
         )
 
     # -- decode role: publish the layout ---------------------------------------------------
