@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
 import kvwire
 from kvwire import BackendConfig, InvalidTransferError, KVBuffer, KVLayout, TransferPlan, Transport
+from kvwire.backends import local
 from kvwire.backends.local import LocalBackend
 
 IDX = np.array([1, 2], np.int32)
@@ -154,3 +157,19 @@ def test_remove_peer_forgets_its_layout_and_is_idempotent() -> None:
     sender.remove_peer(endpoint)  # idempotent
     with pytest.raises(InvalidTransferError, match=rf"session_id {endpoint!r} is unknown"):
         sender.send_kvcache(endpoint, IDX, [int(dst.ctypes.data)], IDX, None)
+
+
+def test_closing_a_local_transport_while_its_thread_holds_the_directory_lock_does_not_deadlock() -> None:
+    """A garbage collection inside ``LocalTransport.__init__`` (lock held) may finalize a dropped Connection,
+    whose close takes the lock again on the same thread: seen as a worker hung for 15 minutes."""
+    transport = local.LocalTransport()
+    done = threading.Event()
+
+    def close_under_the_lock() -> None:
+        with local._lock:
+            transport.close()  # what the finalizer does, on the thread that holds the lock
+        done.set()
+
+    thread = threading.Thread(target=close_under_the_lock, daemon=True)
+    thread.start()
+    assert done.wait(5), "LocalTransport.close() deadlocked on the directory lock its own thread holds"

@@ -32,7 +32,9 @@ __all__ = ["LocalBackend", "LocalTransport"]
 
 _directory: weakref.WeakValueDictionary[str, LocalTransport] = weakref.WeakValueDictionary()
 _counter = itertools.count(1)
-_lock = threading.Lock()
+# Re-entrant: a garbage collection while this thread holds it (inserting into the weak directory) may run
+# the finalizer of a dropped Connection, which closes its transport and takes the lock again.
+_lock = threading.RLock()
 
 
 class LocalTransport(Transport):

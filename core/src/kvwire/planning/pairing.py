@@ -11,7 +11,8 @@ checks of the peer that do not depend on the pages (``dst_kv_item_len``,
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -91,7 +92,8 @@ class Pairing:
 
 
 def _check_layer_ids(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int]) -> dict[int, int]:
-    if isinstance(dst_layer_ids, (str, bytes)) or not hasattr(dst_layer_ids, "__len__"):
+    # a mapping or a set has a length too, but no order: {0: 1} would be read as its keys
+    if isinstance(dst_layer_ids, (str, bytes, Mapping, AbstractSet)) or not hasattr(dst_layer_ids, "__len__"):
         raise InvalidTransferError(
             f"dst_layer_ids must be a sequence of ints or None, got {type(dst_layer_ids).__name__}"
         )

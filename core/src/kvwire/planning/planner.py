@@ -147,6 +147,9 @@ def plan_transfer(
     Raises :class:`InvalidTransferError` (before anything is returned) naming
     the argument and the first offending position and value.
     """
+    for name, layout in (("local", local), ("peer", peer)):
+        if not isinstance(layout, KVLayout):
+            raise InvalidTransferError(f"{name} must be a kvwire.KVLayout, got {type(layout).__name__}")
     pairing = pairing_of(local, peer, dst_layer_ids)
     if dst_kv_item_len is not None or dst_attn_tp_size is not None:
         check_shape(pairing, dst_kv_item_len, dst_attn_tp_size)

@@ -32,4 +32,5 @@ def register() -> None:
         """sglang's Mooncake KV manager with its ``send_kvcache`` through kvwire."""
 
     KvwireKVManager.__module__ = __name__
+    KvwireKVManager.__qualname__ = "KvwireKVManager"
     HookRegistry.register(TARGET, KvwireKVManager, HookType.REPLACE)

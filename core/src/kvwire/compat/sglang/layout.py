@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Literal
+
+import numpy as np
 
 from kvwire.errors import InvalidTransferError
 from kvwire.layout.buffers import HeadLayout, KVBuffer, LayoutError, MemoryKind, Role
@@ -22,9 +25,17 @@ def layer_ids_from_sglang(ids: Sequence[int] | None, name: str = "dst_layer_ids"
     The decode registers the same list and ``transfer_worker`` passes it as
     ``dst_layer_ids``. Halves that differ are refused, naming ``name``.
     """
-    if ids is None or len(ids) == 0:
+    if ids is None:
         return None
-    values = [int(i) for i in ids]
+    if isinstance(ids, (str, bytes, Mapping, AbstractSet)) or not isinstance(ids, Iterable):  # no order to read
+        raise InvalidTransferError(f"{name} must be a sequence of ints or None, got {type(ids).__name__}")
+    values = []
+    for i, value in enumerate(ids):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise InvalidTransferError(f"{name}[{i}] = {value!r:.50} must be an int, got {type(value).__name__}")
+        values.append(int(value))
+    if not values:
+        return None
     half = len(values) // 2
     if len(values) % 2 == 0 and values[:half] == values[half:]:
         return values[:half]

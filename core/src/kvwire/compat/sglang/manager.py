@@ -44,17 +44,21 @@ from kvwire.layout.buffers import HeadLayout, LayoutError
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.registry.manager import connect
 
-__all__ = ["KvwireManagerMixin", "heads_of_kv_args"]
+__all__ = ["KvwireManagerMixin", "heads_of_kv_args", "peer_heads"]
 
 log = logging.getLogger("kvwire.compat.sglang")
 
 
-def heads_of_kv_args(kv_args: Any) -> HeadLayout:
+def heads_of_kv_args(kv_args: Any) -> HeadLayout | None:
     """How an MHA rank's pages hold heads, from ``KVArgs``: token-major pages of ``kv_head_num`` heads.
 
     sglang's item length is ``page_size * kv_head_num * head_dim * element size`` bytes; kvwire needs
-    only the bytes of one head of one token, so the element is counted as one byte.
+    only the bytes of one head of one token, so the element is counted as one byte. None when
+    ``kv_args`` has no ``kv_head_num``: sglang 0.5.23's decode sets it only for its staging buffer,
+    and the prefill then derives the decode's heads (:func:`peer_heads`).
     """
+    if getattr(kv_args, "kv_head_num", None) is None:
+        return None
     page_size, heads = int(kv_args.page_size), int(kv_args.kv_head_num)
     item = int(kv_args.kv_item_lens[0])
     if page_size <= 0 or heads <= 0 or item % (page_size * heads):
@@ -63,6 +67,24 @@ def heads_of_kv_args(kv_args: Any) -> HeadLayout:
         )
     total = int(getattr(kv_args, "total_kv_head_num", 0) or 0) or heads
     return HeadLayout(heads, total, item // (page_size * heads), 1, page_size)
+
+
+def peer_heads(local: HeadLayout, peer: KVLayout) -> HeadLayout:
+    """The heads of a decode rank that published none, derived as sglang's ``send_kvcache_slice`` does.
+
+    The model's KV heads are this side's ``total_kv_heads``; a rank of TP size ``t`` holds
+    ``max(1, total // t)`` of them; the bytes of one head of one token follow from its item length.
+    """
+    tp = peer.attn_tp_size or 1
+    kv_heads = max(1, local.total_kv_heads // tp)
+    item = peer.buffers[0].page_bytes
+    per_token = local.tokens_per_page * kv_heads
+    if item % per_token:
+        raise LayoutError(
+            f"the decode's page of {item} bytes is not {local.tokens_per_page} tokens x {kv_heads} heads "
+            f"(of {local.total_kv_heads} at attention-TP size {tp}) x bytes per head"
+        )
+    return HeadLayout(kv_heads, local.total_kv_heads, item // per_token, 1, local.tokens_per_page)
 
 
 class KvwireManagerMixin(KvwireSendMixin):
@@ -96,7 +118,7 @@ class KvwireManagerMixin(KvwireSendMixin):
         slices between different attention-TP sizes.
         """
         a = self.kv_args
-        mla = bool(self.is_mla_backend)
+        mla = bool(self.is_mla_backend or getattr(a, "is_hybrid_mla_backend", False))  # hybrid MLA: one per layer
         return layout_from_kv_args(
             a.kv_data_ptrs,
             a.kv_data_lens,
@@ -203,6 +225,15 @@ class KvwireManagerMixin(KvwireSendMixin):
             )
             self.kvwire_connection.remove_peer(mooncake_session_id)
             return verdict
+        local = self.kvwire_layout
+        if layout.heads is None and local.heads is not None and layout.attention == "mha":
+            try:
+                heads = peer_heads(local.heads, layout)
+                layout = KVLayout(layout.buffers, layout.attn_tp_size, layout.attn_tp_rank, heads)
+            except KvwireError as exc:
+                log.error("kvwire: decode session %s: %s; sends to it are refused", mooncake_session_id, exc)
+                self.kvwire_connection.remove_peer(mooncake_session_id)
+                return verdict
         try:
             self.kvwire_connection.add_peer(mooncake_session_id, layout)
         except KvwireError as exc:

@@ -1,0 +1,169 @@
+"""Hostile input, round 3 (issue 23): what a peer or a caller pushes at the watcher, the planner and the adapter.
+
+Each test states the defect it closes and fails on the code before the fix.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import kvwire
+from kvwire.compat.sglang import SglangSender
+from kvwire.testing.receiver import LayoutSpec
+
+SPEC = LayoutSpec("mha", (0, 1), 32, 1024)
+
+Pair = tuple[kvwire.Connection, kvwire.Connection, str]
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    src, dst = SPEC.allocate(1), SPEC.allocate(2)
+    with kvwire.connect("local") as sender, kvwire.connect("local") as receiver:
+        sender.register_kv_buffers(src.layout)
+        receiver.register_kv_buffers(dst.layout)
+        sender.add_peer(receiver.endpoint(), dst.layout)
+        yield sender, receiver, receiver.endpoint()
+
+
+# -- NotificationWatcher ---------------------------------------------------------------------------------
+
+
+def test_a_flood_nobody_takes_is_bounded_and_counted(pair: Pair) -> None:
+    """Defect 4: every arrival was kept; 100,000 x 1 KiB took RSS from 39 to 160 MiB."""
+    sender, receiver, endpoint = pair
+    seen = threading.Event()
+    count = [0]
+
+    def on_arrival(_: kvwire.Arrival) -> None:
+        count[0] += 1
+        if count[0] == 20_000:
+            seen.set()
+
+    with kvwire.NotificationWatcher(receiver, on_arrival, max_kept=1000) as watcher:
+        for i in range(20_000):
+            sender.send_notification(endpoint, i.to_bytes(4, "big") + bytes(1020))
+        assert seen.wait(30)
+        kept = watcher.wait(1000, timeout_s=5)
+        assert len(kept) == 1000 and watcher.dropped == 19_000
+        assert [a.notification.message[:4] for a in kept] == [i.to_bytes(4, "big") for i in range(19_000, 20_000)]
+        assert watcher.wait_for((0).to_bytes(4, "big") + bytes(1020), timeout_s=0) is None  # dropped: the oldest
+        taken = watcher.wait_for((19_500).to_bytes(4, "big") + bytes(1020), timeout_s=0)
+        assert taken is not None and len(watcher.wait(0, timeout_s=0)) == 999
+
+
+def test_a_watcher_that_keeps_nothing_keeps_nothing(pair: Pair) -> None:
+    sender, receiver, endpoint = pair
+    got: list[bytes] = []
+    done = threading.Event()
+
+    def on_arrival(arrival: kvwire.Arrival) -> None:
+        got.append(arrival.notification.message)
+        if len(got) == 3:
+            done.set()
+
+    with kvwire.NotificationWatcher(receiver, on_arrival, max_kept=0) as watcher:
+        for m in (b"a", b"b", b"c"):
+            sender.send_notification(endpoint, m)
+        assert done.wait(10)
+        assert got == [b"a", b"b", b"c"]
+        assert watcher.wait(0, timeout_s=0) == [] and watcher.dropped == 3
+
+
+def test_a_raising_callback_loses_no_arrival_of_its_poll(pair: Pair) -> None:
+    """Defect 5: n2 and n3 of the poll whose n1 made on_arrival raise could no longer be obtained."""
+    sender, receiver, endpoint = pair
+    for m in (b"n1", b"n2", b"n3"):
+        sender.send_notification(endpoint, m)  # before the watcher: its first poll takes all three at once
+
+    def on_arrival(arrival: kvwire.Arrival) -> None:
+        raise RuntimeError(f"cannot digest {arrival.notification.message!r}")
+
+    watcher = kvwire.NotificationWatcher(receiver, on_arrival)
+    with pytest.raises(RuntimeError, match="cannot digest b'n1'"):
+        watcher.wait(3, timeout_s=10)
+    with pytest.raises(RuntimeError, match="cannot digest b'n1'"):
+        watcher.stop()
+    kept = [a.notification.message for a in watcher._kept.values()]
+    assert kept == [b"n1", b"n2", b"n3"]
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda w: w.wait("1", 0.1), "count must be an int >= 0, got '1'"),
+        (lambda w: w.wait(1, "0.1"), "timeout_s must be a finite number of seconds >= 0, got '0.1'"),
+        (lambda w: w.wait_for("abc", 0.1), "message must be bytes (notifications are bytes), got str"),
+        (lambda w: w.wait_for(b"x", float("nan")), "timeout_s must be a finite number of seconds >= 0, got nan"),
+        (lambda w: w.stop(-1), "timeout_s must be a finite number of seconds >= 0, got -1"),
+    ],
+    ids=["count-str", "timeout-str", "message-str", "timeout-nan", "stop-negative"],
+)
+def test_the_wait_methods_refuse_bad_arguments_by_name(pair: Pair, call: object, message: str) -> None:
+    """Defect 12: wait("1", 0.1) raised a raw TypeError; wait_for("abc") silently never matched."""
+    _, receiver, _ = pair
+    with kvwire.NotificationWatcher(receiver) as watcher, pytest.raises(kvwire.ConfigError) as exc:
+        call(watcher)  # type: ignore[operator]
+    assert str(exc.value) == message
+
+
+def test_stop_says_when_the_callback_thread_is_still_running(pair: Pair) -> None:
+    """Defect 12: stop() returned normally after its join while the callback still ran."""
+    sender, receiver, endpoint = pair
+    inside, release = threading.Event(), threading.Event()
+
+    def on_arrival(_: kvwire.Arrival) -> None:
+        inside.set()
+        release.wait(30)
+
+    watcher = kvwire.NotificationWatcher(receiver, on_arrival)
+    sender.send_notification(endpoint, b"slow")
+    assert inside.wait(10)
+    try:
+        with pytest.raises(kvwire.TransferTimeoutError) as exc:
+            watcher.stop(timeout_s=0.05)
+        assert str(exc.value) == (
+            "the notification watcher's thread is still running 0.05 s after stop(): its on_arrival callback "
+            "has not returned; it stops polling once it does"
+        )
+    finally:
+        release.set()
+    watcher.stop()  # once the callback returned, stop() is clean
+
+
+# -- planning and the sglang adapter ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layer_ids", [{0: 1, 1: 0}, {1, 0}], ids=["dict", "set"])
+def test_dst_layer_ids_without_an_order_are_refused_and_nothing_moves(pair: Pair, layer_ids: object) -> None:
+    """Defect 8: {0: 1} was read as its keys: the data landed in peer layer 0, and the adapter returned 0."""
+    sender, receiver, endpoint = pair
+    ids = np.arange(2, dtype=np.int32)
+    ptrs = [b.base for b in receiver._local.buffers]  # type: ignore[union-attr]
+    with pytest.raises(kvwire.InvalidTransferError) as exc:
+        sender.send_kvcache(endpoint, ids, ptrs, ids, dst_layer_ids=layer_ids)  # type: ignore[arg-type]
+    assert str(exc.value) == f"dst_layer_ids must be a sequence of ints or None, got {type(layer_ids).__name__}"
+    assert SglangSender(sender).send_kvcache(endpoint, ids, ptrs, ids, None, dst_layer_ids=layer_ids) == -22  # type: ignore[arg-type]
+
+
+def test_plan_transfer_with_something_else_than_a_layout_names_the_argument() -> None:
+    """Defect 11: plan_transfer("x", ...) raised an untyped AttributeError."""
+    layout = SPEC.allocate(1).layout
+    ids = np.arange(2, dtype=np.int32)
+    with pytest.raises(kvwire.InvalidTransferError) as exc:
+        kvwire.plan_transfer("x", layout, ids, [0], ids)  # type: ignore[arg-type]
+    assert str(exc.value) == "local must be a kvwire.KVLayout, got str"
+    with pytest.raises(kvwire.InvalidTransferError) as exc:
+        kvwire.plan_transfer(layout, None, ids, [0], ids)  # type: ignore[arg-type]
+    assert str(exc.value) == "peer must be a kvwire.KVLayout, got NoneType"
+
+
+def test_layer_ids_that_are_not_ints_are_a_refusal_not_a_crash_of_sglangs_worker(pair: Pair) -> None:
+    sender, receiver, endpoint = pair
+    ids = np.arange(2, dtype=np.int32)
+    ptrs = [b.base for b in receiver._local.buffers]  # type: ignore[union-attr]
+    assert SglangSender(sender).send_kvcache(endpoint, ids, ptrs, ids, None, dst_layer_ids=["0", "1"]) == -22  # type: ignore[arg-type, list-item]
