@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 
 import numpy as np
 import pytest
@@ -167,3 +168,69 @@ def test_layer_ids_that_are_not_ints_are_a_refusal_not_a_crash_of_sglangs_worker
     ids = np.arange(2, dtype=np.int32)
     ptrs = [b.base for b in receiver._local.buffers]  # type: ignore[union-attr]
     assert SglangSender(sender).send_kvcache(endpoint, ids, ptrs, ids, None, dst_layer_ids=["0", "1"]) == -22  # type: ignore[arg-type, list-item]
+
+
+# -- sizes a peer controls ----------------------------------------------------------------------------------
+
+
+def test_a_ten_megabyte_endpoint_is_refused_in_a_description_and_as_a_session_id(pair: Pair) -> None:
+    """Leftover of round 1: a 10 MB endpoint string was accepted by PeerDescription.from_dict."""
+    sender, receiver, _ = pair
+    huge = "x" * (10 << 20)
+    data = kvwire.PeerDescription(receiver.endpoint(), SPEC.allocate(3).layout).to_dict()
+    data["endpoint"] = huge
+    with pytest.raises(kvwire.LayoutError) as exc:
+        kvwire.PeerDescription.from_dict(data)
+    assert str(exc.value) == "peer description: 'endpoint' is 10485760 characters, over the limit of 4194304"
+    with pytest.raises(kvwire.InvalidTransferError) as refused:
+        sender.add_peer(huge, SPEC.allocate(3).layout)
+    assert str(refused.value) == "session_id is 10485760 characters, over the limit of 4194304"
+
+
+# -- the caller's executor --------------------------------------------------------------------------------
+
+
+class _Refuses(Executor):
+    def submit(self, fn: object, /, *args: object, **kwargs: object) -> Future[object]:
+        raise ValueError("no more work today")
+
+
+def test_an_executor_that_refuses_the_job_is_a_typed_error_and_leaves_nothing_in_flight(pair: Pair) -> None:
+    """Defect 3: a ValueError from the executor's submit() got out untyped and left a pending future."""
+    sender, receiver, endpoint = pair
+    ids = np.arange(2, dtype=np.int32)
+    ptrs = [b.base for b in receiver._local.buffers]  # type: ignore[union-attr]
+    with pytest.raises(kvwire.BackendError) as exc:
+        sender.submit_kvcache(endpoint, ids, ptrs, ids, executor=_Refuses())
+    assert str(exc.value) == "cannot queue the transfer on _Refuses: ValueError: no more work today; nothing was sent"
+    assert sender._submissions.pending() == []
+
+
+def test_a_job_the_callers_executor_drops_at_shutdown_ends_cancelled_not_pending(pair: Pair) -> None:
+    """Defect 2: after shutdown(cancel_futures=True) with the job queued, kvwire's future stayed PENDING."""
+    sender, receiver, endpoint = pair
+    ids = np.arange(2, dtype=np.int32)
+    ptrs = [b.base for b in receiver._local.buffers]  # type: ignore[union-attr]
+    pool = ThreadPoolExecutor(1)
+    gate = threading.Event()
+    pool.submit(gate.wait, 10)  # the one worker is busy: the transfer stays queued
+    future = sender.submit_kvcache(endpoint, ids, ptrs, ids, executor=pool)
+    pool.shutdown(wait=False, cancel_futures=True)
+    gate.set()
+    done, _ = wait([future], timeout=10)
+    assert done == {future} and future.cancelled()
+    assert sender._submissions.pending() == []
+
+
+def test_a_job_a_process_pool_cannot_take_fails_typed_instead_of_pending(pair: Pair) -> None:
+    """Defect 2: a ProcessPoolExecutor cannot pickle the job; its own future got the error, kvwire's stayed PENDING."""
+    sender, receiver, endpoint = pair
+    ids = np.arange(2, dtype=np.int32)
+    ptrs = [b.base for b in receiver._local.buffers]  # type: ignore[union-attr]
+    with ProcessPoolExecutor(1) as pool:
+        future = sender.submit_kvcache(endpoint, ids, ptrs, ids, executor=pool)
+        with pytest.raises(kvwire.BackendError) as exc:
+            future.result(timeout=30)
+    assert str(exc.value).startswith("the executor did not run the transfer (")
+    assert str(exc.value).endswith("); nothing was sent")
+    assert sender._submissions.pending() == []

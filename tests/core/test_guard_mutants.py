@@ -256,7 +256,10 @@ def test_a_job_the_executor_refuses_leaves_its_future_cancelled_not_pending() ->
 
     with pytest.raises(kvwire.BackendError) as exc:
         submissions.run(future, job, pool)
-    assert str(exc.value) == "cannot queue the transfer: cannot schedule new futures after shutdown; nothing was sent"
+    assert str(exc.value) == (
+        "cannot queue the transfer on ThreadPoolExecutor: RuntimeError: cannot schedule new futures after shutdown; "
+        "nothing was sent"
+    )
     done, _ = wait([future], timeout=0)
     assert done == {future} and future.cancelled()
     assert submissions.pending() == []

@@ -276,7 +276,8 @@ def test_a_shut_down_executor_is_refused_and_nothing_is_sent(pair: Pair) -> None
     with pytest.raises(kvwire.BackendError) as exc:
         pair.submit(range(4), executor=pool)
     assert str(exc.value) == (
-        "cannot queue the transfer: cannot schedule new futures after shutdown; nothing was sent"
+        "cannot queue the transfer on ThreadPoolExecutor: RuntimeError: cannot schedule new futures after shutdown; "
+        "nothing was sent"
     )
     assert digest(pair.dst.views) == before
 

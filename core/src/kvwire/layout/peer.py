@@ -15,10 +15,12 @@ from typing import Any, Final
 from kvwire.layout.buffers import LayoutError
 from kvwire.layout.kv_layout import KVLayout
 
-__all__ = ["PEER_FORMAT", "PEER_VERSION", "PeerDescription"]
+__all__ = ["MAX_ENDPOINT_CHARS", "PEER_FORMAT", "PEER_VERSION", "PeerDescription"]
 
 PEER_FORMAT: Final = "kvwire.peer"
 PEER_VERSION: Final = 1
+#: The longest endpoint (session id) kvwire accepts: NIXL's carry the agent's metadata (8.8 KB for 64 buffers).
+MAX_ENDPOINT_CHARS: Final = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -45,4 +47,8 @@ class PeerDescription:
         endpoint = data.get("endpoint")
         if not isinstance(endpoint, str) or not endpoint:
             raise LayoutError(f"peer description: 'endpoint' must be a non-empty string, got {endpoint!r:.200}")
+        if len(endpoint) > MAX_ENDPOINT_CHARS:
+            raise LayoutError(
+                f"peer description: 'endpoint' is {len(endpoint)} characters, over the limit of {MAX_ENDPOINT_CHARS}"
+            )
         return cls(endpoint, KVLayout.from_dict(data.get("layout")))  # type: ignore[arg-type]

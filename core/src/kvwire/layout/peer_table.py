@@ -10,6 +10,7 @@ import threading
 
 from kvwire.errors import InvalidTransferError
 from kvwire.layout.kv_layout import KVLayout
+from kvwire.layout.peer import MAX_ENDPOINT_CHARS
 
 __all__ = ["PeerTable", "check_session_id", "short_session_id"]
 
@@ -21,10 +22,14 @@ def short_session_id(session_id: str, *, quote: bool = True, limit: int = 80) ->
 
 
 def check_session_id(session_id: object) -> str:
-    """``session_id`` when it is a non-empty str; else InvalidTransferError naming the argument."""
+    """``session_id`` when it is a non-empty str of at most :data:`MAX_ENDPOINT_CHARS`; else InvalidTransferError."""
     if not isinstance(session_id, str) or not session_id:
         shown = repr(session_id) if isinstance(session_id, str) else type(session_id).__name__
         raise InvalidTransferError(f"session_id must be a non-empty str, got {shown}")
+    if len(session_id) > MAX_ENDPOINT_CHARS:
+        raise InvalidTransferError(
+            f"session_id is {len(session_id)} characters, over the limit of {MAX_ENDPOINT_CHARS}"
+        )
     return session_id
 
 

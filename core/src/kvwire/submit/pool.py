@@ -13,10 +13,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from functools import partial
 from typing import Final
 
 from kvwire.errors import BackendError
-from kvwire.submit.futures import TransferFuture, run_into
+from kvwire.submit.futures import TransferFuture, fail_unstarted, run_into
 
 __all__ = ["DEFAULT_SUBMIT_WORKERS", "Submissions"]
 
@@ -60,12 +61,15 @@ class Submissions:
         picks it up means the job never runs.
         """
         self.track(future)
-
+        runner = executor or self._own_pool()
         try:
-            (executor or self._own_pool()).submit(run_into, future, job)
-        except RuntimeError as exc:  # the executor was shut down
+            queued = runner.submit(run_into, future, job)
+        except Exception as exc:  # shut down, or an executor of the caller's that refuses work
             future.cancel()
-            raise BackendError(f"cannot queue the transfer: {exc}; nothing was sent") from exc
+            raise BackendError(
+                f"cannot queue the transfer on {type(runner).__name__}: {type(exc).__name__}: {exc}; nothing was sent"
+            ) from exc
+        queued.add_done_callback(partial(_dropped, future))
         return future
 
     def _own_pool(self) -> ThreadPoolExecutor:
@@ -97,3 +101,20 @@ class Submissions:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _dropped(future: TransferFuture, queued: Future[bool]) -> None:
+    """End ``future`` when its executor dropped the job without running it (never leave it pending).
+
+    A ``shutdown(cancel_futures=True)`` cancels the executor's future; a ``ProcessPoolExecutor``
+    fails it (the job cannot be pickled). Once the job ran, ``future`` is already done.
+    """
+    if future.done():
+        return
+    if queued.cancelled():
+        future.cancel()
+        return
+    exc = queued.exception()
+    if exc is not None:
+        dropped = f"the executor did not run the transfer ({type(exc).__name__}: {exc}); nothing was sent"
+        fail_unstarted(future, BackendError(dropped))
