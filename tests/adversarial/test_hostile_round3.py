@@ -6,6 +6,7 @@ Each test states the defect it closes and fails on the code before the fix.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 
@@ -234,3 +235,25 @@ def test_a_job_a_process_pool_cannot_take_fails_typed_instead_of_pending(pair: P
     assert str(exc.value).startswith("the executor did not run the transfer (")
     assert str(exc.value).endswith("); nothing was sent")
     assert sender._submissions.pending() == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_close_does_not_wait_for_the_submissions_it_cancelled(backend: str) -> None:
+    """Defect 1: close() cancelled the queued futures, then waited timeout_s for them anyway (6.0 s at 5)."""
+    from kvwire.testing.harness import ContractHarness
+
+    spec = LayoutSpec("mha", (0, 1, 2, 3), 256, 65536)
+    harness = ContractHarness(backend, two_process=True, config=kvwire.BackendConfig(timeout_s=5.0))
+    with harness.pair(spec, spec, 3) as pair:
+        futures = [pair.submit(np.arange(128, dtype=np.int32), np.arange(128, dtype=np.int32))]  # 64 MiB
+        futures += [
+            pair.submit(np.arange(k, k + 8, dtype=np.int32), np.arange(k + 128, k + 136, dtype=np.int32))
+            for k in range(0, 128, 8)
+        ]
+        started = time.monotonic()
+        pair.connection.close()
+        took = time.monotonic() - started
+        assert all(f.done() for f in futures)
+        assert sum(f.cancelled() for f in futures) >= 15  # queued behind the first: cancelled, not waited for
+        assert took < 5.0, f"close() took {took:.2f} s with timeout_s=5: it waited for cancelled submissions"
