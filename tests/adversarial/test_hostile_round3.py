@@ -257,3 +257,20 @@ def test_close_does_not_wait_for_the_submissions_it_cancelled(backend: str) -> N
         assert all(f.done() for f in futures)
         assert sum(f.cancelled() for f in futures) >= 15  # queued behind the first: cancelled, not waited for
         assert took < 5.0, f"close() took {took:.2f} s with timeout_s=5: it waited for cancelled submissions"
+
+
+def test_a_send_that_reaches_the_backend_after_close_is_told_it_is_closed_not_blamed() -> None:
+    """Defect 10: 10 of 2,787 sends racing close() got "register_kv_buffers() must be called before send_kvcache()"."""
+    from kvwire.backends.local import LocalBackend
+
+    src, dst = SPEC.allocate(1), SPEC.allocate(2)
+    backend, receiver = LocalBackend(kvwire.BackendConfig()), LocalBackend(kvwire.BackendConfig())
+    backend.register_kv_buffers(src.layout)
+    receiver.register_kv_buffers(dst.layout)
+    backend.add_peer(receiver.endpoint(), dst.layout)
+    ids = np.arange(2, dtype=np.int32)
+    backend.close()  # what a racing close() has done by the time the send's hook runs
+    with pytest.raises(kvwire.BackendError) as exc:
+        backend.send_kvcache(receiver.endpoint(), ids, [b.base for b in dst.layout.buffers], ids, None)
+    assert str(exc.value) == "backend LocalBackend is closed; nothing was sent"
+    receiver.close()

@@ -27,7 +27,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.config import BackendConfig
-from kvwire.errors import InvalidTransferError, KvwireError, UnsupportedFeatureError
+from kvwire.errors import BackendError, InvalidTransferError, KvwireError, UnsupportedFeatureError
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.layout.peer_table import PeerTable
 from kvwire.planning.plan import TransferPlan
@@ -55,6 +55,7 @@ class TransportBackend(ABC):
         self.transport = self.open_transport(config)
         self._lock = threading.Lock()
         self._local: KVLayout | None = None
+        self._closed = False
         self._peers = PeerTable()
 
     @abstractmethod
@@ -161,6 +162,8 @@ class TransportBackend(ABC):
 
     @hookimpl
     def close(self) -> None:
+        with self._lock:
+            self._closed = True  # before the layout goes: a send racing close() is told so, not blamed
         try:
             self.transport.close()
         finally:
@@ -190,7 +193,9 @@ class TransportBackend(ABC):
 
     def _layouts(self, session_id: str, hook: str) -> tuple[KVLayout, KVLayout]:
         with self._lock:
-            local = self._local
+            local, closed = self._local, self._closed
+        if closed:
+            raise BackendError(f"backend {type(self).__name__} is closed; nothing was sent")
         if local is None:
             raise InvalidTransferError(f"register_kv_buffers() must be called before {hook}()")
         return local, self._peers.known(session_id)
