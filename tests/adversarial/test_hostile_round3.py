@@ -5,10 +5,12 @@ Each test states the defect it closes and fails on the code before the fix.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -274,3 +276,44 @@ def test_a_send_that_reaches_the_backend_after_close_is_told_it_is_closed_not_bl
         backend.send_kvcache(receiver.endpoint(), ids, [b.base for b in dst.layout.buffers], ids, None)
     assert str(exc.value) == "backend LocalBackend is closed; nothing was sent"
     receiver.close()
+
+
+# -- kvwire lint on hostile trees ------------------------------------------------------------------------------
+
+
+def test_lint_reads_only_regular_files_and_reports_each_bad_one_while_checking_the_rest(tmp_path: Path) -> None:
+    """Defect 9: a FIFO named x.py hung lint, a .py link to /dev/zero was read without limit, 100,000 nested
+    unary minus signs and a 2,000-module re-export chain ended the run with a traceback."""
+    from kvwire.lint import lint_tree
+
+    (tmp_path / "base.py").write_text("class Base:\n    def send(self, a, b):\n        pass\n")
+    (tmp_path / "good.py").write_text(
+        "from base import Base\n\n\nclass Drifted(Base):\n    def send(self, a):\n        pass\n"
+    )
+    os.mkfifo(tmp_path / "fifo.py")
+    (tmp_path / "zero.py").symlink_to("/dev/zero")
+    deep = (
+        "from base import Base\n\n\nclass Deep(Base):\n    def send(self, a, b=" + "-" * 100_000 + "1):\n        pass\n"
+    )
+    (tmp_path / "deep.py").write_text(deep)
+    (tmp_path / "chain0.py").write_text("from base import Base\n")
+    for i in range(1, 2000):
+        (tmp_path / f"chain{i}.py").write_text(f"from chain{i - 1} import Base\n")
+    (tmp_path / "far.py").write_text(
+        "from chain1999 import Base\n\n\nclass Far(Base):\n    def send(self, a):\n        pass\n"
+    )
+    warnings: list[str] = []
+    result: list[object] = []
+    worker = threading.Thread(target=lambda: result.append(lint_tree(tmp_path, ["send"], warn=warnings.append)))
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), "kvwire lint hung on the tree"
+    (findings,) = result
+    assert ("good.py", "Drifted") in {(Path(f.file).name, f.subclass) for f in findings}  # type: ignore[attr-defined]
+    by_file = {w.split(":", 1)[0].rsplit("/", 1)[-1]: w for w in warnings}
+    assert by_file["fifo.py"].endswith("fifo.py: not a regular file; skipped")
+    assert by_file["zero.py"].endswith("zero.py: not a regular file; skipped")
+    assert by_file["deep.py"].endswith("deep.py: cannot parse (MemoryError: nested too deeply); skipped")
+    # the chain either resolves (Far's drift found) or is reported: never a traceback that ends the run
+    far = any(Path(f.file).name == "far.py" for f in findings)  # type: ignore[attr-defined]
+    assert far or any("RecursionError" in w or "nested too deeply" in w for w in warnings), warnings

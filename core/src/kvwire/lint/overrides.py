@@ -41,20 +41,33 @@ def check_overrides(classes: Classes, select: frozenset[str] | None = None) -> l
     self_calls = SelfCalls()
     where = None if select is None else _defining(select)
     for cls in classes.all(where):
-        mro = classes.mro(cls)
-        if len(mro) < 2 or (select is not None and not select.intersection(cls.members())):
-            continue
-        for name, members in cls.members().items():
-            if not _checked(name, select) or members[-1].kind != "def":
-                continue
-            base = next((k for k in mro[1:] if name in k.members()), None)
-            pair = _pair(cls, base, name) if base is not None else None
-            if pair is not None:
-                findings.extend(signature_findings(pair))
-                findings.extend(keyword_findings(mro, pair, self_calls))
+        try:
+            findings.extend(_class_findings(classes, cls, select, self_calls))
+        except RecursionError:  # a chain of re-exports deeper than Python's stack: this class only
+            classes.tree.warn(
+                f"{cls.module.display}: class {cls.name}: its bases lead through re-exports nested too deeply; skipped"
+            )
     broken = {m.display for m in classes.tree.modules.values() if m.broken}
     findings = [f for f in findings if f.file not in broken and f.base_file not in broken]
     return sorted(findings, key=lambda f: (f.file, f.line, RULES.index(f.rule)))
+
+
+def _class_findings(
+    classes: Classes, cls: ClassInfo, select: frozenset[str] | None, self_calls: SelfCalls
+) -> list[LintFinding]:
+    findings: list[LintFinding] = []
+    mro = classes.mro(cls)
+    if len(mro) < 2 or (select is not None and not select.intersection(cls.members())):
+        return findings
+    for name, members in cls.members().items():
+        if not _checked(name, select) or members[-1].kind != "def":
+            continue
+        base = next((k for k in mro[1:] if name in k.members()), None)
+        pair = _pair(cls, base, name) if base is not None else None
+        if pair is not None:
+            findings.extend(signature_findings(pair))
+            findings.extend(keyword_findings(mro, pair, self_calls))
+    return findings
 
 
 def _defining(methods: frozenset[str]) -> Callable[[Module], bool]:

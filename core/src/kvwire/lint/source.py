@@ -138,11 +138,11 @@ def parse_at(source: str, first_line: int, indent: str, *, shallow: bool = False
     and their decorators only (cheaper, for headers parsed to read a signature).
     """
     if indent:
-        body = ast.parse("if 1:\n" + source).body
+        body = _parse("if 1:\n" + source)
         statements = body[0].body if body and isinstance(body[0], ast.If) else []
         offset = first_line - 2
     else:
-        statements = ast.parse(source).body
+        statements = _parse(source)
         offset = first_line - 1
     for node in statements:
         if not shallow:
@@ -182,3 +182,11 @@ def header_end(text: str, start: int, end: int) -> int | None:
             position = newline
         elif depth == 0:
             return i
+
+
+def _parse(source: str) -> list[ast.stmt]:
+    """``ast.parse``; nesting deeper than the parser holds (MemoryError, RecursionError) is a SyntaxError here."""
+    try:
+        return ast.parse(source).body
+    except (MemoryError, RecursionError) as exc:
+        raise SyntaxError(f"nested too deeply for the parser ({type(exc).__name__})") from None

@@ -19,6 +19,7 @@ import importlib.util
 import keyword
 import os
 import re
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ from kvwire.lint.source import Piece, parse_at, parse_piece, split
 __all__ = ["Binding", "Module", "SourceTree"]
 
 _SKIP_DIRS = frozenset({"__pycache__", "node_modules", "site-packages"})
+#: The largest source file read (sglang's largest is about 300 KB); a larger one is reported and skipped.
+MAX_SOURCE_BYTES = 16 << 20
 _NESTED_CLASS = re.compile(r"\n[ \t]+class[ \t]+\w")
 _HEAD_WORD = re.compile(r"\w+")
 _BINDING_STATEMENTS = frozenset({"import", "from", "if", "try", "with", "for", "while", "async"})
@@ -125,11 +128,22 @@ class Module:
     @property
     def text(self) -> str:
         if self._text is None:
+            self._text = ""
             try:
-                self._text = importlib.util.decode_source(self.path.read_bytes())
+                info = os.stat(self.path)  # follows a link: what would be read
+                if not stat.S_ISREG(info.st_mode):  # a FIFO would block the open, a device never end
+                    self._fail("not a regular file")
+                elif info.st_size > MAX_SOURCE_BYTES:
+                    self._fail(f"{info.st_size} bytes, over the limit of {MAX_SOURCE_BYTES}")
+                else:
+                    with open(self.path, "rb") as file:
+                        data = file.read(MAX_SOURCE_BYTES + 1)
+                    if len(data) > MAX_SOURCE_BYTES:  # grew since stat
+                        self._fail(f"over the limit of {MAX_SOURCE_BYTES} bytes")
+                    else:
+                        self._text = importlib.util.decode_source(data)
             except (OSError, SyntaxError, UnicodeDecodeError) as exc:
                 self._fail(f"cannot read ({type(exc).__name__}: {exc})")
-                self._text = ""
         return self._text
 
     @property
@@ -149,7 +163,7 @@ class Module:
         if cached is None:
             try:
                 cached = parse_piece(self.text, piece)
-            except (SyntaxError, ValueError):
+            except (SyntaxError, ValueError, MemoryError, RecursionError):
                 cached = _within(self.full_tree(), piece.first_line, piece.last_line)
             self._parsed[piece.start] = cached
         return cached
@@ -165,7 +179,7 @@ class Module:
             try:
                 nodes = parse_at(self.text[piece.start : piece.end], piece.first_line, piece.indent, shallow=True)
                 cached = (nodes, piece.first_line - (2 if piece.indent else 1))
-            except (SyntaxError, ValueError):
+            except (SyntaxError, ValueError, MemoryError, RecursionError):
                 cached = (_within(self.full_tree(), piece.first_line, piece.last_line), 0)
             self._shallow[piece.start] = cached
         return cached
@@ -179,6 +193,8 @@ class Module:
                 self._fail(f"line {exc.lineno}: cannot parse ({exc.msg})")
             except ValueError as exc:
                 self._fail(f"cannot parse ({exc})")
+            except (MemoryError, RecursionError) as exc:  # nesting the parser cannot hold
+                self._fail(f"cannot parse ({type(exc).__name__}: nested too deeply)")
         return self._full
 
     def offset(self, line: int) -> int:
