@@ -1,15 +1,18 @@
-"""kvwire inside sglang 0.5.23's own prefill/decode code, two processes on 127.0.0.1 (tests/hosts/sglang).
+"""kvwire inside sglang 0.5.23's own prefill/decode code, one process per TP rank on 127.0.0.1 (tests/hosts/sglang).
 
-Each side runs sglang's ``ServerArgs``, Mooncake engine (TCP), bootstrap server, the manager class that
-sglang's ``get_kv_class`` returns, its sender, receiver and ``transfer_worker``, with CPU pools of random
-bytes. In ``kvwire`` mode ``SGLANG_PLUGINS=kvwire`` and sglang's own ``load_plugins()`` install
-kvwire-sglang's manager; every byte is checked on the decode side, and every page outside the request.
-The sglang venv (``make_venv.sh``, --no-deps, pinned) is built once and cached.
+Each process runs sglang's ``ServerArgs`` (published for its TP rank), Mooncake engine (TCP), bootstrap
+server, the manager class that sglang's ``get_kv_class`` returns, its sender, receiver and
+``transfer_worker``, with CPU pools of random bytes. In ``kvwire`` mode ``SGLANG_PLUGINS=kvwire`` and
+sglang's own ``load_plugins()`` install kvwire-sglang's manager; every byte is checked on every decode
+rank (its heads, token by token, across attention-TP sizes), and every page outside the request. A decode
+killed after sending its metadata fails only its own request. The sglang venv (``make_venv.sh``,
+--no-deps, pinned) is built once and cached.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +86,100 @@ def test_a_bad_destination_page_is_refused_by_kvwire_before_any_byte_moves(pair:
         "InvalidTransferError: dst_kv_indices[2] = 12 is out of range: peer buffer 0 (layer 0, k, host) has 12 pages"
     )
     assert decode["other_pages_changed"] == [] and decode["pages_compared_unchanged"] > 0
+
+
+# -- attention TP sizes that differ: one process per TP rank, as sglang deploys them ------------------------------
+
+#: Each rank's (attn_tp_size, attn_tp_rank) as sglang derived them from the published SpawnRanks, and its heads
+#: of the model's 4 KV heads. A request moves 4 pages of 4 K/V buffers: 16 pages; a page of 4 tokens x 8 dims
+#: fp16 is 64 bytes per head.
+_TP_RANKS = {
+    "tp-1-2": {"prefill": ([1, 0], [0, 1, 2, 3]), "decode": ([2, 0], [0, 1]), "decode-r1": ([2, 1], [2, 3])},
+    "tp-2-1": {"prefill": ([2, 0], [0, 1]), "prefill-r1": ([2, 1], [2, 3]), "decode": ([1, 0], [0, 1, 2, 3])},
+}
+
+
+def _check_tp_ranks(result: dict[str, Any], scenario: str) -> None:
+    """Every rank has its TP rank and heads; every decode rank holds exactly its heads of every requested page."""
+    ranks = _TP_RANKS[scenario]
+    assert result["processes"] == list(ranks)
+    prefill_tp = sum(1 for name in ranks if name.startswith("prefill"))
+    for name, (attn_tp, heads) in ranks.items():
+        side = result[name]
+        assert (side["attn_tp"], side["heads"]) == (attn_tp, heads), (name, side)
+        if side["role"] == "prefill":
+            assert side["requests"] == [{"server": 0, "rep": 0, "kvpoll": "Success", "failure": None, **_seconds(side)}]
+            assert side["failed_sessions"] == []
+        else:
+            assert side["prefill_attn_tp_size"] == prefill_tp  # what the bootstrap server learned from the prefill
+            assert side["target_tp_ranks"] == list(range(prefill_tp))
+            assert side["kvpoll"] == "Success" and side["failure"] is None
+            assert side["pages_checked"] == 16 and side["head_slices_checked"] == 16 * 4 * len(heads)
+            assert side["mismatches"] == [] and side["mismatch_count"] == 0 and side["other_pages_changed"] == []
+
+
+def _seconds(side: dict[str, Any]) -> dict[str, Any]:
+    """The one request's ``seconds`` (a time, checked to be one), so that a dict of the rest compares exactly."""
+    (request,) = side["requests"]
+    assert isinstance(request["seconds"], float) and 0 < request["seconds"] < 30, request
+    return {"seconds": request["seconds"]}
+
+
+@pytest.mark.parametrize("scenario", ["tp-1-2", "tp-2-1"])
+def test_kvwire_slices_heads_across_attention_tp_sizes_through_sglangs_send_kvcache_slice(
+    pair: ModuleType, scenario: str
+) -> None:
+    """TP 1 -> 2: the prefill rank sends each decode rank its 2 of 4 heads; TP 2 -> 1: each prefill rank fills its 2."""
+    result = _run(pair, scenario, "kvwire")
+    assert result["outcome"] == "verified", result
+    _check_tp_ranks(result, scenario)
+    prefills = [result[name] for name in result["processes"] if name.startswith("prefill")]
+    calls = [call for side in prefills for call in side["kvwire_calls"]]
+    # one send per (prefill rank, decode rank): 16 pages of the decode rank's (1 -> 2) or the prefill rank's
+    # (2 -> 1) 2 heads: 16 x 4 tokens x 2 heads x 16 bytes
+    assert [call["bytes"] for call in calls] == [2048, 2048]
+    assert all(side["kvwire_sends"] == len(side["kvwire_calls"]) for side in prefills)
+    sessions = {call["session"] for call in calls}
+    assert len(sessions) == (2 if scenario == "tp-1-2" else 1)  # two decode ranks, or the one decode rank
+
+
+def test_the_harness_verifies_stock_sglangs_own_head_slicing_too(pair: ModuleType) -> None:
+    """TP 1 -> 2 without the plugin: sglang's own send_kvcache_slice, token by token, passes the same checks."""
+    result = _run(pair, "tp-1-2", "stock")
+    assert result["outcome"] == "verified", result
+    _check_tp_ranks(result, "tp-1-2")
+    assert all(result[name]["manager"].endswith("MooncakeKVManager") for name in result["processes"])
+    assert "kvwire_sends" not in result["prefill"]
+
+
+@pytest.mark.parametrize(("scenario", "killed_at"), [("killed-decode", 0), ("killed-decode-warm", 1)])
+def test_a_killed_decode_fails_its_request_alone_and_the_other_decode_gets_exact_bytes(
+    pair: ModuleType, scenario: str, killed_at: int
+) -> None:
+    """Decode server 0 is SIGKILLed after sending its metadata for request ``killed_at`` (-warm: after a first
+    request to each decode succeeded); then the prefill sends that request to both decode servers.
+
+    kvwire finds the dead peer (Mooncake: connection refused), returns -102 to sglang's transfer_worker, which
+    marks the session failed and the request Failed within milliseconds; decode server 1's requests are verified.
+    """
+    result = _run(pair, scenario, "kvwire")
+    assert result["outcome"] == "verified", result
+    assert result["processes"] == ["prefill", "decode", "decode-s1"]
+    killed, prefill, live = result["decode"], result["prefill"], result["decode-s1"]
+    assert killed["killed"] is True and killed["returncode"] == -9
+    assert [(r["server"], r["rep"], r["kvpoll"]) for r in prefill["requests"]] == [
+        (server, rep, "Failed" if (server, rep) == (0, killed_at) else "Success")
+        for rep in range(killed_at + 1)
+        for server in (0, 1)
+    ]
+    (dead,) = [r for r in prefill["requests"] if r["kvpoll"] == "Failed"]
+    assert re.fullmatch(r"KVTransferError: .*Failed to send kv chunk of \d+ to 127\.0\.0\.1:\d+", dead["failure"])
+    assert 0 < dead["seconds"] < 5, dead
+    (failed_call,) = [call for call in prefill["kvwire_calls"] if "error" in call]
+    sent = [call["bytes"] for call in prefill["kvwire_calls"] if "error" not in call]
+    assert failed_call["error"].startswith(f"PeerUnreachableError: peer {failed_call['session']} is unreachable")
+    assert sent == [2048] * (2 * killed_at + 1)
+    assert prefill["failed_sessions"] == [failed_call["session"]]
+    assert any("failed (status -102," in line for line in prefill["errors_logged"]), prefill["errors_logged"]
+    assert live["kvpoll"] == "Success" and live["pages_checked"] == 16 * (killed_at + 1)
+    assert live["mismatches"] == [] and live["other_pages_changed"] == []

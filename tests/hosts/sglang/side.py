@@ -1,29 +1,45 @@
-"""One side (prefill or decode) of a KV transfer run by sglang 0.5.23's own disaggregation code on CPU.
+"""One process (a prefill or a decode TP rank) of a KV transfer run by sglang 0.5.23's own disaggregation code on CPU.
 
 Run by :mod:`pair` with the sglang venv's python, never imported by the repo's tests::
 
     python side.py --role prefill|decode --scenario plain-mha --mode stock|kvwire \\
-        --bootstrap-port P --room R --workdir DIR --timeout-s 90
+        --bootstrap-port P --room R --workdir DIR --timeout-s 90 [--rank N] [--server N]
 
-What is sglang's here and what is not: ``ServerArgs``, the published runtime context,
-the shared Mooncake engine (``maybe_init_shared_mooncake_transfer_engine``, over TCP),
+What is sglang's here and what is not: ``ServerArgs``, the published runtime context
+(``publish`` with this process's ``SpawnRanks``, from which sglang derives ``tp_rank``,
+``attn_tp_size`` and ``attn_tp_rank`` as its launcher does), the shared Mooncake
+engine (``maybe_init_shared_mooncake_transfer_engine``, over TCP),
 ``MooncakeKVBootstrapServer``, the manager class ``get_kv_class`` returns (which
-registers the pools with the engine and, on the prefill, starts the
-``transfer_worker`` threads that call ``send_kvcache``), ``MooncakeKVSender`` and
-``MooncakeKVReceiver``, all sglang's. Ours: the KV pools (CPU fp16 tensors of random
-bytes standing in for a model's pools), ``KVArgs`` filled the way sglang's
-``PrefillBootstrapQueue`` / ``DecodePreallocQueue._init_kv_manager`` fill it for that
-pool shape, and one stand-in, a one-rank ``pp_group`` (there is no torch.distributed).
+registers the pools with the engine, registers each prefill rank with the
+bootstrap server and, on the prefill, starts the ``transfer_worker`` threads that
+call ``send_kvcache`` / ``send_kvcache_slice``), ``MooncakeKVSender`` and
+``MooncakeKVReceiver``, all sglang's. Ours: the KV pools (CPU fp16 tensors of
+random bytes standing in for a model's pools), ``KVArgs`` filled the way sglang's
+``PrefillBootstrapQueue`` / ``DecodePreallocQueue._init_kv_manager`` fill it for
+that pool shape and rank, and one stand-in, a one-rank ``pp_group`` (there is no
+torch.distributed; nothing else of sglang's reads a process group here).
+
+Processes: a scenario has ``prefill_tp`` prefill ranks (one prefill server; rank 0
+also hosts its bootstrap server, as the prefill server's main process does) and
+``decode_servers`` decode servers of ``decode_tp`` ranks each; every process is one
+TP rank with its own engine and manager, as in a real deployment. Each decode
+server has its own request (bootstrap room) per repetition. See
+:meth:`Scenario.processes` for the process names.
 
 In ``kvwire`` mode the process calls ``sglang.srt.plugins.load_plugins()`` first, as
 sglang's scheduler does, and ``SGLANG_PLUGINS=kvwire`` selects kvwire-sglang's plugin.
 
-Coordination with the other side goes through files in ``--workdir``: the prefill
-writes ``prefill.ready`` once its bootstrap server, manager and sender exist; the
-decode writes ``decode.done`` after verifying, so the prefill keeps its bootstrap
-server up until then. Each side writes its result to ``<role>.json`` (and prints it
-as one JSON line) and exits with ``os._exit`` (sglang's daemon threads and the
-Mooncake engine never join); a side whose peer's result appeared gives up waiting.
+Coordination goes through files in ``--workdir`` (``NAME`` is a process name):
+``bootstrap.up`` once prefill rank 0's bootstrap server listens; ``NAME.ready`` once a
+prefill rank's manager and senders exist; ``NAME.waiting`` once a prefill rank's
+requests of repetition ``killed_at_rep`` reached WaitingForInput (every decode's
+metadata arrived);
+``NAME.metadata_sent`` when a decode rank that is to be killed sent its metadata
+(the driver then SIGKILLs it and writes ``NAME.killed``); ``NAME.done`` after a decode
+rank verified, so the prefill keeps its bootstrap server up until then. Each
+process writes its result to ``NAME.json`` (and prints it as one JSON line) and
+exits with ``os._exit`` (sglang's daemon threads and the Mooncake engine never
+join); a process gives up waiting once another broke, or once all others exited.
 
 Each decode KV buffer is followed by guard pages outside what sglang registers
 (``kv_data_lens`` stops before them), so a write past the pool is seen, not lost.
@@ -36,10 +52,11 @@ import dataclasses
 import json
 import logging
 import os
+import random
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,16 +75,39 @@ PREFILL_PAGES, DECODE_PAGES = 10, 12
 GUARD_PAGES = 2
 #: sglang's metadata buffers, stood in by two small byte buffers, slot ``AUX_INDEX`` used.
 AUX_BUFFERS, AUX_SLOTS, AUX_ITEM_BYTES, AUX_INDEX = 2, 4, 64, 0
+#: At most this many mismatch descriptions are kept per decode rank (all are counted).
+MISMATCH_LIMIT = 50
+
+
+@dataclasses.dataclass(frozen=True)
+class Proc:
+    """One process of a scenario: a TP rank of a prefill or decode server."""
+
+    name: str
+    role: str
+    server: int  # decode server index (always 0 for the prefill)
+    rank: int  # TP rank within its server
 
 
 @dataclasses.dataclass(frozen=True)
 class Scenario:
-    """A pool shape and the pages one request moves.
+    """A pool shape, the servers and ranks, and the pages one request moves.
 
     ``layer_ids`` is None for a plain pool (sglang's ``build_kv_layer_ids`` gives
     ``[]``); for a hybrid (``HybridLinearKVPool``) pool it is the full-attention
     layers' global ids, and ``kv_layer_ids`` is ``layer_ids * 2`` (MHA) or
     ``layer_ids`` (MLA), as sglang's ``get_kv_layer_ids`` returns them.
+
+    MHA pools hold ``kv_heads`` KV heads in all (the model's), split over the
+    attention-TP ranks as sglang splits them (:meth:`heads_of`). Decode server
+    ``s`` asks for ``dst_pages`` and is sent ``src_pages`` shifted by ``s``
+    (:meth:`src_pages_of`), so two requests cannot be mixed up unseen.
+    ``killed_decode``: that decode server's ranks are SIGKILLed after sending
+    their metadata for request ``killed_at_rep`` (the earlier ones succeed, so the
+    prefill's engine already talked to them), before the prefill sends it; that
+    request must turn Failed on the prefill within ``fail_within_s``. ``repeats``:
+    requests per decode server, one after the other (the destination pages are
+    zeroed between them).
     """
 
     name: str
@@ -77,6 +117,19 @@ class Scenario:
     src_pages: tuple[int, ...]
     dst_pages: tuple[int, ...]
     expect_success: bool = True
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    kv_heads: int = HEAD_NUM
+    head_dim: int = HEAD_DIM
+    page_size: int = PAGE_SIZE
+    prefill_pages: int = PREFILL_PAGES
+    decode_pages: int = DECODE_PAGES
+    decode_servers: int = 1
+    killed_decode: int | None = None
+    killed_at_rep: int = 0
+    fail_within_s: float = 30.0
+    repeats: int = 1
+    bench: bool = False  # a throughput shape: left out of the default runs
 
     @property
     def hybrid(self) -> bool:
@@ -87,9 +140,34 @@ class Scenario:
         """sglang's KV buffer count: K of every layer then V of every layer (MHA), one per layer (MLA)."""
         return self.num_layers if self.mla else 2 * self.num_layers
 
-    @property
-    def page_bytes(self) -> int:
-        return PAGE_SIZE * (MLA_DIM if self.mla else HEAD_NUM * HEAD_DIM) * 2
+    def tp(self, role: str) -> int:
+        return self.prefill_tp if role == "prefill" else self.decode_tp
+
+    def pool_pages(self, role: str) -> int:
+        return self.prefill_pages if role == "prefill" else self.decode_pages
+
+    def heads_of(self, tp: int, rank: int) -> range:
+        """The global KV heads rank ``rank`` of ``tp`` holds: contiguous slices, one replicated head when fewer.
+
+        sglang's split (``kv_head_num = max(1, total // tp)``, head ``rank // (tp // total)``
+        when ``total < tp``). An MLA pool has one latent "head", held whole by every rank.
+        """
+        if self.mla:
+            return range(1)
+        if self.kv_heads >= tp:
+            per = self.kv_heads // tp
+            return range(rank * per, rank * per + per)
+        head = rank // (tp // self.kv_heads)
+        return range(head, head + 1)
+
+    def row_shape(self, heads: int) -> tuple[int, int]:
+        """One token of one page: (heads, elements per head)."""
+        return (1, MLA_DIM) if self.mla else (heads, self.head_dim)
+
+    def page_bytes(self, role: str) -> int:
+        """Bytes of one page of one buffer on a rank of ``role`` (sglang's ``kv_item_lens``)."""
+        heads, dim = self.row_shape(len(self.heads_of(self.tp(role), 0)))
+        return self.page_size * heads * dim * 2
 
     def kv_layer_ids(self) -> list[int]:
         """``KVArgs.kv_layer_ids`` as sglang's ``build_kv_layer_ids`` builds it for this pool."""
@@ -98,9 +176,66 @@ class Scenario:
         ids = list(self.layer_ids)
         return ids if self.mla else ids * 2
 
+    def src_pages_of(self, server: int) -> tuple[int, ...]:
+        """The prefill pages decode server ``server``'s request moves (``src_pages`` shifted by ``server``)."""
+        return tuple((p + server) % self.prefill_pages for p in self.src_pages)
+
+    def room(self, base: int, rep: int, server: int) -> int:
+        """The bootstrap room of decode server ``server``'s request in repetition ``rep``."""
+        return base + rep * self.decode_servers + server
+
+    def processes(self) -> list[Proc]:
+        """Every process, prefill ranks first.
+
+        Names: ``prefill`` and ``decode`` for rank 0 (of decode server 0), ``-rN`` added
+        for TP rank N, ``-sN`` for decode server N (``prefill-r1``, ``decode-r1``, ``decode-s1``).
+        """
+        procs = [Proc("prefill" + (f"-r{r}" if r else ""), "prefill", 0, r) for r in range(self.prefill_tp)]
+        for s in range(self.decode_servers):
+            for r in range(self.decode_tp):
+                name = "decode" + (f"-s{s}" if s else "") + (f"-r{r}" if r else "")
+                procs.append(Proc(name, "decode", s, r))
+        return procs
+
+    def proc(self, role: str, server: int, rank: int) -> Proc:
+        (found,) = [p for p in self.processes() if (p.role, p.server, p.rank) == (role, server, rank)]
+        return found
+
+    def killed(self) -> list[Proc]:
+        """The processes the driver SIGKILLs (every rank of decode server ``killed_decode``)."""
+        return [p for p in self.processes() if p.role == "decode" and p.server == self.killed_decode]
+
 
 #: Source and destination pages: out of order, not contiguous, a run of two (7, 8 -> 3, 4).
 _SRC, _DST = (2, 7, 8, 0), (9, 3, 4, 11)
+
+
+def bench_scenario(name: str, moved: int, repeats: int) -> Scenario:
+    """A throughput shape: 2 layers x K/V of pages of 32 tokens x 8 heads x 128 dims fp16 = 64 KiB.
+
+    ``moved`` pages per request, in a random order on both sides (seeded: the same in
+    both modes), so runs of pages consecutive on both sides, which a sender could
+    merge, are rare; pools of ``moved * 1.5`` (prefill) and ``moved * 1.75`` pages.
+    ``repeats`` requests, one after the other: the first is the warm-up.
+    """
+    rng = random.Random(20251201 + moved)
+    prefill_pages, decode_pages = moved * 3 // 2, moved * 7 // 4
+    return Scenario(
+        name,
+        mla=False,
+        num_layers=2,
+        layer_ids=None,
+        src_pages=tuple(rng.sample(range(prefill_pages), moved)),
+        dst_pages=tuple(rng.sample(range(decode_pages), moved)),
+        kv_heads=8,
+        head_dim=128,
+        page_size=32,
+        prefill_pages=prefill_pages,
+        decode_pages=decode_pages,
+        repeats=repeats,
+        bench=True,
+    )
+
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
@@ -119,6 +254,41 @@ SCENARIOS: dict[str, Scenario] = {
             dst_pages=(0, 6, DECODE_PAGES),
             expect_success=False,
         ),
+        # Attention TP 1 -> 2: the prefill rank holds heads 0..3, decode rank d heads 2d, 2d+1.
+        Scenario(
+            "tp-1-2", mla=False, num_layers=2, layer_ids=None, src_pages=_SRC, dst_pages=_DST, decode_tp=2, kv_heads=4
+        ),
+        # Attention TP 2 -> 1: prefill rank p holds heads 2p, 2p+1; both fill the one decode rank's pages.
+        Scenario(
+            "tp-2-1", mla=False, num_layers=2, layer_ids=None, src_pages=_SRC, dst_pages=_DST, prefill_tp=2, kv_heads=4
+        ),
+        # Two decode servers, two requests; the first decode is SIGKILLed after sending its metadata.
+        Scenario(
+            "killed-decode",
+            mla=False,
+            num_layers=2,
+            layer_ids=None,
+            src_pages=_SRC,
+            dst_pages=_DST,
+            decode_servers=2,
+            killed_decode=0,
+        ),
+        # The same, but the first decode dies after a first request to each decode succeeded.
+        Scenario(
+            "killed-decode-warm",
+            mla=False,
+            num_layers=2,
+            layer_ids=None,
+            src_pages=_SRC,
+            dst_pages=_DST,
+            decode_servers=2,
+            killed_decode=0,
+            killed_at_rep=1,
+            repeats=2,
+        ),
+        # Throughput shapes (bench/sglang_throughput.py): 16 MiB and 64 MiB per request.
+        bench_scenario("throughput", moved=64, repeats=9),
+        bench_scenario("throughput-256", moved=256, repeats=9),
     )
 }
 
@@ -137,12 +307,25 @@ def random_bytes(seed: int, shape: tuple[int, ...]) -> Any:
     return torch.randint(1, 256, (n * 2,), dtype=torch.uint8, generator=g).view(torch.float16).reshape(shape)
 
 
-def kv_buffers(scenario: Scenario, role: str) -> list[Any]:
-    """The KV buffers of ``role``'s pool (each with :data:`GUARD_PAGES` trailing guard pages), in sglang's order."""
-    pages = (PREFILL_PAGES if role == "prefill" else DECODE_PAGES) + GUARD_PAGES
-    shape = (pages, PAGE_SIZE, 1, MLA_DIM) if scenario.mla else (pages, PAGE_SIZE, HEAD_NUM, HEAD_DIM)
-    base = 1000 if role == "prefill" else 2000
-    return [random_bytes(base + i, shape) for i in range(scenario.num_buffers)]
+def global_kv_buffers(scenario: Scenario, role: str, server: int = 0) -> list[Any]:
+    """One server's KV buffers holding every KV head, [pages + guard, tokens, heads, dim], in sglang's order.
+
+    What all TP ranks of the server hold together (each rank has its heads' slice);
+    seeded by role and decode server, so any process can rebuild any of them.
+    """
+    pages = scenario.pool_pages(role) + GUARD_PAGES
+    heads, dim = scenario.row_shape(scenario.kv_heads)
+    base = 1000 if role == "prefill" else 2000 + 100 * server
+    return [random_bytes(base + i, (pages, scenario.page_size, heads, dim)) for i in range(scenario.num_buffers)]
+
+
+def kv_buffers(scenario: Scenario, role: str, rank: int = 0, server: int = 0) -> list[Any]:
+    """The KV buffers of one rank's pool (its heads of :func:`global_kv_buffers`, guard pages included)."""
+    heads = scenario.heads_of(scenario.tp(role), rank)
+    whole = global_kv_buffers(scenario, role, server)
+    if scenario.mla or len(heads) == scenario.kv_heads:
+        return whole
+    return [t[:, :, heads.start : heads.stop, :].contiguous() for t in whole]
 
 
 def aux_buffers(role: str) -> list[Any]:
@@ -151,11 +334,11 @@ def aux_buffers(role: str) -> list[Any]:
     return [random_bytes(base + i, (AUX_SLOTS, AUX_ITEM_BYTES // 2)) for i in range(AUX_BUFFERS)]
 
 
-def page_bytes_view(t: Any) -> Any:
-    """``t`` as [page, bytes] (uint8), for byte-exact comparisons."""
+def head_bytes_view(t: Any) -> Any:
+    """``t`` [page, token, head, dim] as uint8 [page, token, head, bytes of one head], for byte-exact comparisons."""
     import torch
 
-    return t.view(t.shape[0], -1).view(dtype=torch.uint8)
+    return t.view(torch.uint8)
 
 
 # -- sglang setup ------------------------------------------------------------------------------
@@ -181,14 +364,20 @@ def is_mla_backend(scenario: Scenario) -> bool:
     return scenario.mla and not scenario.hybrid
 
 
-def publish_server_args(role: str, bootstrap_port: int) -> Any:
-    """sglang's ``ServerArgs`` for this role, published as a scheduler process's runtime context."""
+def publish_server_args(scenario: Scenario, role: str, rank: int, bootstrap_port: int) -> Any:
+    """sglang's ``ServerArgs`` for this role (``tp_size`` of its server), published for TP rank ``rank``.
+
+    ``publish(..., ranks=SpawnRanks(world_rank=rank))`` is what sglang's launcher does
+    for each scheduler process: sglang derives ``tp_rank``, ``attn_tp_size`` and
+    ``attn_tp_rank`` from it (and ``CommonKVManager`` reads them there). Checked.
+    """
     from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
         maybe_init_shared_mooncake_transfer_engine,
     )
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
     from sglang.srt.server_args import ServerArgs
 
+    tp = scenario.tp(role)
     sa = ServerArgs(
         model_path="dummy",
         disaggregation_mode=role,
@@ -196,22 +385,27 @@ def publish_server_args(role: str, bootstrap_port: int) -> Any:
         host="127.0.0.1",
         disaggregation_bootstrap_port=bootstrap_port,
         device="cpu",
-        page_size=PAGE_SIZE,
+        page_size=scenario.page_size,
+        tp_size=tp,
     )
-    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
-    get_parallel().override_permanently(pp_group=OnePpRankGroup())
+    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=rank))
+    parallel = get_parallel()
+    parallel.override_permanently(pp_group=OnePpRankGroup())
+    got = (parallel.tp_rank, parallel.attn_tp_size, parallel.attn_tp_rank)
+    assert got == (rank, tp, rank), f"sglang derived (tp_rank, attn_tp_size, attn_tp_rank) = {got}"
     # sglang's own choice of engine: mooncake PD -> init_mooncake_transfer_engine(get_local_ip_auto(), ...)
-    maybe_init_shared_mooncake_transfer_engine(gpu_id=0)
+    maybe_init_shared_mooncake_transfer_engine(gpu_id=rank)
     return sa
 
 
-def build_kv_args(scenario: Scenario, role: str, sa: Any, kv: list[Any], aux: list[Any]) -> Any:
-    """``KVArgs`` as sglang's ``_init_kv_manager`` fills it (prefill.py / decode.py), for one TP rank, no PP."""
+def build_kv_args(scenario: Scenario, role: str, rank: int, sa: Any, kv: list[Any], aux: list[Any]) -> Any:
+    """``KVArgs`` as sglang's ``_init_kv_manager`` fills it (prefill.py / decode.py), for TP rank ``rank``, no PP."""
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
-    pool_pages = PREFILL_PAGES if role == "prefill" else DECODE_PAGES
+    page_bytes = scenario.page_bytes(role)
     a = get_kv_class(TransferBackend.MOONCAKE, KVClassType.KVARGS)()
-    a.engine_rank = 0
+    # prefill.py: engine_rank = self.tp_rank; decode.py: self.tp_rank % attn_tp_size (the same here)
+    a.engine_rank = rank % scenario.tp(role)
     a.pp_rank = 0
     a.system_dp_rank = None  # get_parallel().dp_rank: no data-parallel controller
     a.rust_http_port = None
@@ -221,20 +415,21 @@ def build_kv_args(scenario: Scenario, role: str, sa: Any, kv: list[Any], aux: li
     a.prefill_end_layer = scenario.num_layers
     # get_contiguous_buf_infos: the registered part of each buffer stops before the guard pages
     a.kv_data_ptrs = [t.data_ptr() for t in kv]
-    a.kv_data_lens = [pool_pages * scenario.page_bytes for _ in kv]
-    a.kv_item_lens = [scenario.page_bytes for _ in kv]
+    a.kv_data_lens = [scenario.pool_pages(role) * page_bytes for _ in kv]
+    a.kv_item_lens = [page_bytes for _ in kv]
     a.num_draft_entries = 0
     a.kv_layer_ids = scenario.kv_layer_ids()
     if role == "prefill" and not is_mla_backend(scenario):
-        # prefill.py: `if not self.is_mla_backend` (decode.py sets these only for its staging buffer)
-        a.kv_head_num = 1 if scenario.mla else HEAD_NUM  # pool.head_num (an MLA sub-pool has one latent head)
-        a.total_kv_head_num = a.kv_head_num
-    a.page_size = PAGE_SIZE
+        # prefill.py: `if not self.is_mla_backend` (decode.py sets these only for its staging buffer):
+        # pool.head_num (this rank's heads; an MLA sub-pool has one latent head) and the model's total
+        a.kv_head_num = 1 if scenario.mla else len(scenario.heads_of(scenario.prefill_tp, rank))
+        a.total_kv_head_num = 1 if scenario.mla else scenario.kv_heads
+    a.page_size = scenario.page_size
     a.aux_data_ptrs = [t.data_ptr() for t in aux]
     a.aux_data_lens = [t.numel() * t.element_size() for t in aux]
     a.aux_item_lens = [AUX_ITEM_BYTES for _ in aux]
     a.ib_device = sa.disaggregation_ib_device
-    a.gpu_id = 0
+    a.gpu_id = rank
     # setup_state_kv_args: no state components (a hybrid pool's mamba state is not moved here)
     a.state_types = []
     a.state_data_ptrs = []
@@ -287,26 +482,47 @@ def count_kvwire_sends(mgr: Any) -> list[dict[str, Any]]:
 
 
 class Clock:
-    """This side's deadline, and the other side's result file: once that exists the other side has exited.
+    """This process's deadline, and the other processes' result files.
 
-    Every wait checks both, so a side whose peer broke gives up within
-    ``grace_s`` instead of at the deadline (the grace lets sglang's last status
-    message arrive when the peer finished normally).
+    Every wait checks both, so a process gives up within ``grace_s`` once another
+    broke (its result says ``ok: false``) or once every other process has exited
+    (a result or a ``.killed`` marker), instead of at the deadline. The grace lets
+    sglang's last status message arrive when the others finished normally.
     """
 
-    def __init__(self, deadline: float, peer_result: Path, grace_s: float = 3.0) -> None:
-        self.deadline, self.peer_result, self.grace_s = deadline, peer_result, grace_s
-        self._peer_gone_at: float | None = None
+    def __init__(self, deadline: float, workdir: Path, peers: Sequence[str], grace_s: float = 3.0) -> None:
+        self.deadline, self.workdir, self.peers, self.grace_s = deadline, workdir, tuple(peers), grace_s
+        self._ok: dict[str, bool] = {}  # the peers whose result was read (final once it exists)
+        self._trouble_at: float | None = None
+
+    def _trouble(self) -> str | None:
+        """Why waiting on is pointless: a peer broke, or all exited; None while that is not so."""
+        gone = 0
+        for peer in self.peers:
+            if peer not in self._ok:
+                path = self.workdir / f"{peer}.json"
+                if path.exists():
+                    self._ok[peer] = bool(json.loads(path.read_text()).get("ok"))
+                elif (self.workdir / f"{peer}.killed").exists():
+                    self._ok[peer] = True  # killed on purpose by the driver
+            if peer in self._ok:
+                gone += 1
+                if not self._ok[peer]:
+                    return f"the {peer} process broke (see its result)"
+        if self.peers and gone == len(self.peers):
+            return "every other process exited first (see their results)"
+        return None
 
     def check(self, what: str) -> None:
-        """Raise if the deadline passed (TimeoutError) or the peer exited over ``grace_s`` ago (RuntimeError)."""
+        """Raise if the deadline passed (TimeoutError), or a peer broke or all exited over ``grace_s`` ago."""
         now = time.monotonic()
         if now > self.deadline:
             raise TimeoutError(f"{what}: timed out")
-        if self.peer_result.exists():
-            self._peer_gone_at = self._peer_gone_at or now
-            if now - self._peer_gone_at > self.grace_s:
-                raise RuntimeError(f"{what}: the {self.peer_result.stem} side exited first (see its result)")
+        trouble = self._trouble()
+        if trouble is not None:
+            self._trouble_at = self._trouble_at or now
+            if now - self._trouble_at > self.grace_s:
+                raise RuntimeError(f"{what}: {trouble}")
 
     def poll_until(self, poll: Callable[[], int], done: set[int], what: str) -> int:
         """Poll an sglang sender/receiver until its KVPoll state is in ``done``."""
@@ -316,6 +532,23 @@ class Clock:
                 return state
             self.check(f"{what} (still in KVPoll state {kvpoll_name(state)})")
             time.sleep(0.02)
+
+    def poll_all_timed(self, polls: dict[int, Callable[[], int]], done: set[int], what: str) -> dict[int, Any]:
+        """Poll several senders until each is in ``done``: {key: (state, time.perf_counter() when seen)}.
+
+        Polls every millisecond, so the times are within about a millisecond of sglang's status change.
+        """
+        seen: dict[int, Any] = {}
+        while len(seen) < len(polls):
+            for key, poll in polls.items():
+                if key not in seen:
+                    state = int(poll())
+                    if state in done:
+                        seen[key] = (state, time.perf_counter())
+            if len(seen) < len(polls):
+                self.check(f"{what} ({len(seen)} of {len(polls)} requests concluded)")
+                time.sleep(0.001)
+        return seen
 
     def wait_for_file(self, path: Path, what: str) -> None:
         while not path.exists():
@@ -332,99 +565,225 @@ def failure_reason(obj: Any) -> str | None:
     return None
 
 
+def common_state(states: Sequence[str]) -> str:
+    """The one KVPoll state all requests ended in, or ``mixed: a, b, ...``."""
+    return states[0] if len(set(states)) == 1 else "mixed: " + ", ".join(states)
+
+
 # -- the two roles ------------------------------------------------------------------------------
 
 
 def run_prefill(args: argparse.Namespace, scenario: Scenario, clock: Clock) -> dict[str, Any]:
+    """One prefill TP rank: senders for every request, each request sent once all decodes are waiting for it."""
     import numpy as np
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     work = Path(args.workdir)
-    sa = publish_server_args("prefill", args.bootstrap_port)
-    server = get_kv_class(TransferBackend.MOONCAKE, KVClassType.BOOTSTRAP_SERVER)(
-        host="127.0.0.1", port=args.bootstrap_port
-    )
-    kv, aux = kv_buffers(scenario, "prefill"), aux_buffers("prefill")
-    mgr = make_manager(scenario, "prefill", args.mode, sa, build_kv_args(scenario, "prefill", sa, kv, aux))
+    me = scenario.proc("prefill", 0, args.rank)
+    sa = publish_server_args(scenario, "prefill", args.rank, args.bootstrap_port)
+    server = None
+    if args.rank == 0:  # the prefill server's bootstrap server (its main process's, in sglang)
+        server = get_kv_class(TransferBackend.MOONCAKE, KVClassType.BOOTSTRAP_SERVER)(
+            host="127.0.0.1", port=args.bootstrap_port
+        )
+        (work / "bootstrap.up").touch()
+    else:
+        clock.wait_for_file(work / "bootstrap.up", "waiting for prefill rank 0's bootstrap server")
+    kv, aux = kv_buffers(scenario, "prefill", args.rank), aux_buffers("prefill")
+    # the manager registers this rank with the bootstrap server (register_to_bootstrap) as it is built
+    mgr = make_manager(scenario, "prefill", args.mode, sa, build_kv_args(scenario, "prefill", args.rank, sa, kv, aux))
     calls = count_kvwire_sends(mgr) if args.mode == "kvwire" else None
-    sender = get_kv_class(TransferBackend.MOONCAKE, KVClassType.SENDER)(
-        mgr=mgr, bootstrap_addr=f"127.0.0.1:{args.bootstrap_port}", bootstrap_room=args.room
-    )
-    (work / "prefill.ready").touch()
+    sender_cls = get_kv_class(TransferBackend.MOONCAKE, KVClassType.SENDER)
+    servers = range(scenario.decode_servers)
+    senders = {
+        (rep, s): sender_cls(
+            mgr=mgr, bootstrap_addr=f"127.0.0.1:{args.bootstrap_port}", bootstrap_room=scenario.room(args.room, rep, s)
+        )
+        for rep in range(scenario.repeats)
+        for s in servers
+    }
+    (work / f"{me.name}.ready").touch()
 
-    # as PrefillBootstrapQueue: wait for the decode's metadata, then init; then send the pages
-    state = clock.poll_until(sender.poll, {KVPoll.WaitingForInput, KVPoll.Failed}, "prefill bootstrap")
-    if state == KVPoll.WaitingForInput:
-        sender.init(len(scenario.src_pages), aux_index=AUX_INDEX)
-        sender.send(np.asarray(scenario.src_pages, dtype=np.int32))
-        state = clock.poll_until(sender.poll, {KVPoll.Success, KVPoll.Failed}, "prefill transfer")
+    # as PrefillBootstrapQueue: wait for the decodes' metadata, then init; then send the pages
+    requests: list[dict[str, Any]] = []
+    for rep in range(scenario.repeats):
+        waiting = {
+            s: clock.poll_until(
+                senders[rep, s].poll,
+                {KVPoll.WaitingForInput, KVPoll.Failed},
+                f"prefill bootstrap (decode server {s}, repetition {rep})",
+            )
+            for s in servers
+        }
+        if rep == scenario.killed_at_rep:
+            (work / f"{me.name}.waiting").touch()
+            for victim in scenario.killed():
+                clock.wait_for_file(work / f"{victim.name}.killed", f"waiting for {victim.name} to be killed")
+        started: dict[int, float] = {}
+        for s in servers:
+            if waiting[s] == KVPoll.WaitingForInput:
+                pages = scenario.src_pages_of(s)
+                senders[rep, s].init(len(pages), aux_index=AUX_INDEX)
+                started[s] = time.perf_counter()
+                senders[rep, s].send(np.asarray(pages, dtype=np.int32))
+        concluded = clock.poll_all_timed(
+            {s: senders[rep, s].poll for s in started}, {KVPoll.Success, KVPoll.Failed}, f"prefill transfer {rep}"
+        )
+        for s in servers:
+            state, at = concluded.get(s, (waiting[s], None))
+            requests.append(
+                {
+                    "server": s,
+                    "rep": rep,
+                    "kvpoll": kvpoll_name(state),
+                    "failure": failure_reason(senders[rep, s]) if state == KVPoll.Failed else None,
+                    # from send() to the concluded state, as polled (None: never sent)
+                    "seconds": None if at is None else round(at - started[s], 6),
+                }
+            )
+    states = [r["kvpoll"] for r in requests]
+    failures = [r["failure"] for r in requests if r["failure"]]
     result: dict[str, Any] = {
         "manager": f"{type(mgr).__module__}.{type(mgr).__qualname__}",
-        "kvpoll": kvpoll_name(state),
-        "failure": failure_reason(sender) if state == KVPoll.Failed else None,
+        "attn_tp": [mgr.attn_tp_size, mgr.attn_tp_rank],
+        "heads": list(scenario.heads_of(scenario.prefill_tp, args.rank)),
+        "kvpoll": common_state(states),
+        "failure": failures[0] if failures else None,
+        "requests": requests,
         "failed_sessions": sorted(mgr.failed_sessions),
     }
     if calls is not None:
         result["kvwire_sends"] = len(calls)
-        result["kvwire_calls"] = calls
-    clock.wait_for_file(work / "decode.done", "waiting for the decode to verify")
-    server.close()
+        result["kvwire_calls"] = calls if len(calls) <= 20 else [*calls[:20], {"more": len(calls) - 20}]
+    for p in scenario.processes():
+        if p.role == "decode":
+            while not ((work / f"{p.name}.done").exists() or (work / f"{p.name}.killed").exists()):
+                clock.check(f"waiting for {p.name} to verify")
+                time.sleep(0.05)
+    if server is not None:
+        server.close()
     return result
 
 
-def run_decode(args: argparse.Namespace, scenario: Scenario, clock: Clock) -> dict[str, Any]:
-    import numpy as np
+def compare_pages(
+    scenario: Scenario,
+    rank: int,
+    kv: Sequence[Any],
+    before: Sequence[Any],
+    want: Sequence[Any],
+    pairs: Sequence[tuple[int, int]],
+    label: str = "",
+) -> dict[str, Any]:
+    """Token by token and head by head: each destination page holds its source page's heads of this rank.
+
+    ``want`` are the prefill server's buffers with every head; this decode rank's
+    heads of them (:meth:`Scenario.heads_of`) are what it must hold. Every page not
+    in ``pairs`` (guard pages included) must be byte-equal to ``before``.
+    """
     import torch
+
+    heads = scenario.heads_of(scenario.decode_tp, rank)
+    pool = scenario.decode_pages
+    written = sorted({d for _, d in pairs})
+    src_idx = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+    dst_idx = torch.tensor([d for _, d in pairs], dtype=torch.long)
+    mismatches: list[str] = []
+    mismatch_count = 0
+    changed: list[str] = []
+    for b, (now, old, src) in enumerate(zip(kv, before, want)):
+        now_b, old_b = head_bytes_view(now), head_bytes_view(old)
+        src_b = head_bytes_view(src[:, :, heads.start : heads.stop, :] if not scenario.mla else src)
+        if pairs:
+            equal = (now_b[dst_idx] == src_b[src_idx]).all(dim=-1)  # [pair, token, head]
+            bad = (~equal).nonzero().tolist()
+            mismatch_count += len(bad)
+            for i, t, h in bad[: max(0, MISMATCH_LIMIT - len(mismatches))]:
+                head = "latent" if scenario.mla else f"head {heads[h]}"
+                s, d = pairs[i]
+                mismatches.append(f"{label}buffer {b} page {d} token {t} {head} != prefill page {s}")
+        differs = (now_b != old_b).reshape(now_b.shape[0], -1).any(dim=1)
+        differs[written] = False
+        for p in differs.nonzero().flatten().tolist():
+            changed.append(f"{label}buffer {b} {'guard ' if p >= pool else ''}page {p}")
+    tokens, nheads = scenario.page_size, len(heads)
+    return {
+        "pages_checked": len(pairs) * len(kv),
+        "head_slices_checked": len(pairs) * len(kv) * tokens * nheads,
+        "mismatches": mismatches,
+        "mismatch_count": mismatch_count,
+        "other_pages_changed": changed,
+        "pages_compared_unchanged": (pool + GUARD_PAGES - len(written)) * len(kv),
+    }
+
+
+def run_decode(args: argparse.Namespace, scenario: Scenario, clock: Clock) -> dict[str, Any]:
+    """One decode TP rank of decode server ``--server``: a receiver per request, then a byte-exact check of its pool."""
+    import numpy as np
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     work = Path(args.workdir)
-    sa = publish_server_args("decode", args.bootstrap_port)
-    kv, aux = kv_buffers(scenario, "decode"), aux_buffers("decode")
+    me = scenario.proc("decode", args.server, args.rank)
+    sa = publish_server_args(scenario, "decode", args.rank, args.bootstrap_port)
+    kv, aux = kv_buffers(scenario, "decode", args.rank, args.server), aux_buffers("decode")
     before = [t.clone() for t in kv]
-    mgr = make_manager(scenario, "decode", args.mode, sa, build_kv_args(scenario, "decode", sa, kv, aux))
-
-    clock.wait_for_file(work / "prefill.ready", "waiting for the prefill to start")
+    mgr = make_manager(scenario, "decode", args.mode, sa, build_kv_args(scenario, "decode", args.rank, sa, kv, aux))
+    for p in scenario.processes():
+        if p.role == "prefill":
+            clock.wait_for_file(work / f"{p.name}.ready", f"waiting for {p.name} to start")
     addr = f"127.0.0.1:{args.bootstrap_port}"
+    # 503 until every prefill rank registered: then the prefill's attn_tp_size is known
     while not mgr.try_ensure_parallel_info(addr):
         clock.check(f"fetching the prefill's parallel info from {addr}")
         time.sleep(0.2)
-    receiver = get_kv_class(TransferBackend.MOONCAKE, KVClassType.RECEIVER)(
-        mgr=mgr, bootstrap_addr=addr, bootstrap_room=args.room
-    )
-    receiver.init(0)
-    state = clock.poll_until(receiver.poll, {KVPoll.WaitingForInput, KVPoll.Failed}, "decode bootstrap")
-    if state == KVPoll.WaitingForInput:
-        receiver.send_metadata(np.asarray(scenario.dst_pages, dtype=np.int32), aux_index=AUX_INDEX)
-        state = clock.poll_until(receiver.poll, {KVPoll.Success, KVPoll.Failed}, "decode transfer")
-    reason = failure_reason(receiver) if state == KVPoll.Failed else None
+    info = mgr.prefill_info_table[addr]
 
-    # byte-exact check of every KV buffer, guard pages included: after Success the destination pages
-    # hold the source pages and nothing else changed; after Failed nothing at all changed
-    src = kv_buffers(scenario, "prefill")
-    pairs = list(zip(scenario.src_pages, scenario.dst_pages)) if state == KVPoll.Success else []
-    written = {d for _, d in pairs}
-    mismatches: list[str] = []
-    changed: list[str] = []
-    for b, (now, old, want) in enumerate(zip(kv, before, src)):
-        now_b, old_b, want_b = page_bytes_view(now), page_bytes_view(old), page_bytes_view(want)
-        for s, d in pairs:
-            if not torch.equal(now_b[d], want_b[s]):
-                mismatches.append(f"buffer {b} page {d} != prefill page {s}")
-        for p in range(DECODE_PAGES + GUARD_PAGES):
-            if p not in written and not torch.equal(now_b[p], old_b[p]):
-                changed.append(f"buffer {b} {'guard ' if p >= DECODE_PAGES else ''}page {p}")
+    want = global_kv_buffers(scenario, "prefill")
+    pairs = list(zip(scenario.src_pages_of(args.server), scenario.dst_pages))
+    dst = np.asarray(scenario.dst_pages, dtype=np.int32)
+    receiver_cls = get_kv_class(TransferBackend.MOONCAKE, KVClassType.RECEIVER)
+    states: list[str] = []
+    reasons: list[str] = []
+    totals: dict[str, Any] = {}
+    for rep in range(scenario.repeats):
+        if rep:  # so that what the previous request wrote cannot pass for this one (random bytes are never 0)
+            for t in (*kv, *before):
+                t[list(scenario.dst_pages)] = 0
+        receiver = receiver_cls(mgr=mgr, bootstrap_addr=addr, bootstrap_room=scenario.room(args.room, rep, args.server))
+        receiver.init(0)
+        state = clock.poll_until(receiver.poll, {KVPoll.WaitingForInput, KVPoll.Failed}, f"decode bootstrap {rep}")
+        if state == KVPoll.WaitingForInput:
+            receiver.send_metadata(dst, aux_index=AUX_INDEX)
+            if args.server == scenario.killed_decode and rep == scenario.killed_at_rep:
+                (work / f"{me.name}.metadata_sent").touch()
+                while True:  # the driver SIGKILLs this process now
+                    clock.check("waiting to be killed after sending the metadata")
+                    time.sleep(0.05)
+            state = clock.poll_until(receiver.poll, {KVPoll.Success, KVPoll.Failed}, f"decode transfer {rep}")
+        states.append(kvpoll_name(state))
+        if state == KVPoll.Failed:
+            reasons.append(failure_reason(receiver) or "")
+        # byte-exact check of every KV buffer, guard pages included: after Success the destination pages
+        # hold this rank's heads of the source pages and nothing else changed; after Failed nothing changed
+        label = f"request {rep}: " if scenario.repeats > 1 else ""
+        got = compare_pages(scenario, args.rank, kv, before, want, pairs if state == KVPoll.Success else [], label)
+        for key, value in got.items():  # summed over the requests (the last one's count of unchanged pages)
+            keep = key == "pages_compared_unchanged"
+            totals[key] = value if keep else totals.get(key, [] if isinstance(value, list) else 0) + value
     result = {
         "manager": f"{type(mgr).__module__}.{type(mgr).__qualname__}",
-        "kvpoll": kvpoll_name(state),
-        "failure": reason,
-        "pages_checked": len(pairs) * len(kv),  # destination pages compared with their source pages
-        "mismatches": mismatches,
-        "other_pages_changed": changed,  # every other page (guards included) that differs from before
-        "pages_compared_unchanged": (DECODE_PAGES + GUARD_PAGES - len(written)) * len(kv),
+        "attn_tp": [mgr.attn_tp_size, mgr.attn_tp_rank],
+        "prefill_attn_tp_size": info.attn_tp_size,  # what the bootstrap server told this rank
+        "target_tp_ranks": list(info.target_tp_ranks),
+        "heads": list(scenario.heads_of(scenario.decode_tp, args.rank)),
+        "kvpoll": common_state(states),
+        "failure": reasons[0] if reasons else None,
+        **totals,
     }
-    (work / "decode.done").touch()
+    result["mismatches"] = result["mismatches"][:MISMATCH_LIMIT]
+    result["other_pages_changed"] = result["other_pages_changed"][:MISMATCH_LIMIT]
+    (work / f"{me.name}.done").touch()
     return result
 
 
@@ -442,15 +801,20 @@ def main() -> None:
     p.add_argument("--scenario", choices=sorted(SCENARIOS), required=True)
     p.add_argument("--mode", choices=MODES, required=True)
     p.add_argument("--bootstrap-port", type=int, required=True)
-    p.add_argument("--room", type=int, required=True)
+    p.add_argument("--room", type=int, required=True, help="the first request's bootstrap room")
     p.add_argument("--workdir", required=True)
     p.add_argument("--timeout-s", type=float, default=90.0)
+    p.add_argument("--rank", type=int, default=0, help="this process's TP rank in its server")
+    p.add_argument("--server", type=int, default=0, help="the decode server this rank belongs to")
     args = p.parse_args()
     deadline = time.monotonic() + args.timeout_s
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    out = Path(args.workdir) / f"{args.role}.json"
+    scenario = SCENARIOS[args.scenario]
+    me = scenario.proc(args.role, args.server, args.rank)
+    work = Path(args.workdir)
+    out = work / f"{me.name}.json"
     started = time.monotonic()
-    result: dict[str, Any] = {"role": args.role, "scenario": args.scenario, "mode": args.mode}
+    result: dict[str, Any] = {"role": args.role, "name": me.name, "scenario": args.scenario, "mode": args.mode}
     try:
         if args.mode == "kvwire":
             assert os.environ.get("SGLANG_PLUGINS") == "kvwire", "kvwire mode needs SGLANG_PLUGINS=kvwire"
@@ -458,8 +822,8 @@ def main() -> None:
 
             load_plugins()  # as sglang's scheduler process does, before any manager is built
         run = run_prefill if args.role == "prefill" else run_decode
-        peer = "decode" if args.role == "prefill" else "prefill"
-        result.update(run(args, SCENARIOS[args.scenario], Clock(deadline, Path(args.workdir) / f"{peer}.json")))
+        peers = [q.name for q in scenario.processes() if q != me]
+        result.update(run(args, scenario, Clock(deadline, work, peers)))
         result["ok"] = True
     except BaseException as exc:
         result.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
@@ -468,8 +832,8 @@ def main() -> None:
     tmp.write_text(json.dumps(result, indent=1))
     tmp.rename(out)
     print(json.dumps({k: v for k, v in result.items() if k != "traceback"}))
-    if args.role == "decode" and not (Path(args.workdir) / "decode.done").exists():
-        (Path(args.workdir) / "decode.done").touch()  # let the prefill go even when the decode broke
+    if args.role == "decode" and not (work / f"{me.name}.done").exists():
+        (work / f"{me.name}.done").touch()  # let the prefill go even when the decode broke
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
