@@ -317,3 +317,16 @@ def test_lint_reads_only_regular_files_and_reports_each_bad_one_while_checking_t
     # the chain either resolves (Far's drift found) or is reported: never a traceback that ends the run
     far = any(Path(f.file).name == "far.py" for f in findings)  # type: ignore[attr-defined]
     assert far or any("RecursionError" in w or "nested too deeply" in w for w in warnings), warnings
+
+
+def test_lint_checks_a_class_nested_in_a_class_body(tmp_path: Path) -> None:
+    """Defect 9: a class nested inside a class body was never checked, so its drift was missed."""
+    from kvwire.lint import lint_tree
+
+    (tmp_path / "base.py").write_text("class Base:\n    def send(self, a, b):\n        pass\n")
+    (tmp_path / "outer.py").write_text(
+        "from base import Base\n\n\nclass Outer:\n    class Inner(Base):\n        class Deeper(Base):\n"
+        "            def send(self, a, b, c):\n                pass\n\n        def send(self, a):\n            pass\n"
+    )
+    found = sorted((f.subclass, f.rule, f.parameter) for f in lint_tree(tmp_path, ["send"]))
+    assert found == [("Deeper", "override-required-parameter", "c"), ("Inner", "override-missing-parameter", "b")]

@@ -204,12 +204,17 @@ class Module:
         return self._line_starts[line - 1] if line <= len(self._line_starts) else len(self.text)
 
     def nested_classes(self) -> Iterator[ast.ClassDef]:
-        """Classes defined inside module-level ``if``/``try``/``with`` blocks."""
+        """Classes defined inside module-level ``if``/``try``/``with`` blocks, and inside class bodies."""
         for piece in self.pieces:
             if piece.kind == "other" and _NESTED_CLASS.search(self.text, piece.start, piece.end):
                 for node in _walk_block(self.statements(piece)):
                     if isinstance(node, ast.ClassDef):
                         yield node
+                        yield from _inner_classes(node)
+            elif piece.kind == "class" and _NESTED_CLASS.search(self.text, piece.start, piece.end):
+                for node in self.statements(piece):
+                    if isinstance(node, ast.ClassDef):
+                        yield from _inner_classes(node)
 
     def absolute(self, module: str | None, level: int) -> str:
         """The absolute name of a (possibly relative) ``from`` import's module."""
@@ -279,6 +284,14 @@ class Module:
             elif isinstance(node, ast.ClassDef) and node.name == name:
                 out.append(Binding(node.lineno, classdef=node))
         return out
+
+
+def _inner_classes(cls: ast.ClassDef) -> Iterator[ast.ClassDef]:
+    """The classes defined in ``cls``'s body, at any depth of class nesting (bases resolve at module level)."""
+    for node in _walk_block(cls.body):
+        if isinstance(node, ast.ClassDef):
+            yield node
+            yield from _inner_classes(node)
 
 
 def _walk_block(statements: list[ast.stmt]) -> Iterator[ast.stmt]:
