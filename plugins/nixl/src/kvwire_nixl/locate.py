@@ -8,9 +8,13 @@ the wheel found.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib
 import importlib.util
 import os
+import socket
+import struct
 import sys
 import warnings
 from pathlib import Path
@@ -27,6 +31,7 @@ MODULES: Final = ("nixl", "nixl_cu13", "nixl_cu12")
 WHEEL_MODULES: Final = ("nixl_cu13", "nixl_cu12")
 _INSTALL_HINT: Final = "pip install 'kvwire-nixl[cu12]' (or [cu13]), after a torch build of your choice"
 _UCX_PLUGIN: Final = "libplugin_UCX.so"
+_SIOCGIFADDR: Final = 0x8915  # linux/sockios.h: an interface's IPv4 address
 _LIB_DIRS: Final = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/lib64")
 
 
@@ -62,6 +67,26 @@ def nixl_availability() -> str | None:
     return None
 
 
+def interface_of(host: str) -> str | None:
+    """The network interface that holds IPv4 address ``host`` (a name is resolved first), or None.
+
+    None for a wildcard address, an address no interface holds, or where the lookup is
+    not possible: the caller then leaves UCX's choice of interfaces alone.
+    """
+    try:
+        address = socket.inet_aton(socket.gethostbyname(host))
+    except OSError:
+        return None
+    if address == bytes(4):
+        return None
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe, contextlib.suppress(OSError):
+            request = struct.pack("256s", name.encode()[:15])
+            if fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)[20:24] == address:
+                return name
+    return None
+
+
 def efa_conflict() -> bool:
     """Whether the system has rdma-core's ``libefa.so.1``, which NIXL 1.5's UCX EFA module links unbundled.
 
@@ -78,19 +103,32 @@ def import_nixl(config: kvwire.BackendConfig) -> ModuleType:
     """The NIXL module providing ``nixl_agent``; BackendUnavailableError when none imports.
 
     With ``config.process_settings``, variables NIXL and UCX read once, when their
-    libraries load, get defaults (a value already set is kept): ``UCX_MODULES=^efa``
+    libraries load, get defaults (a value already set is kept): ``UCX_NET_DEVICES``
+    set to the interface that holds ``config.host`` (``lo`` for the default
+    127.0.0.1), so UCX's TCP listeners bind there only; ``UCX_MODULES=^efa``
     (see :func:`efa_conflict`), ``UCX_LOG_FILE=stderr`` and, unless ``verbose``,
     ``NIXL_LOG_LEVEL=ERROR`` and ``UCX_LOG_LEVEL=error``. Without it the environment is left alone, and a
-    RuntimeWarning says when this process will crash at exit.
+    RuntimeWarning says when UCX will listen on every interface and when this process will crash at exit.
     """
     first = not any(name in sys.modules for name in MODULES)
+    device = interface_of(config.host)
     if config.process_settings:
+        if device is not None:  # UCX's TCP listeners then bind there only, not on every interface
+            os.environ.setdefault("UCX_NET_DEVICES", device)
         os.environ.setdefault("UCX_MODULES", "^efa")
         os.environ.setdefault("UCX_LOG_FILE", "stderr")  # UCX logs to stdout by default
         if not config.verbose:
             os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
             os.environ.setdefault("UCX_LOG_LEVEL", "error")
-    elif first and "UCX_MODULES" not in os.environ and efa_conflict():
+    elif first and "UCX_NET_DEVICES" not in os.environ:
+        warnings.warn(
+            "kvwire-nixl: UCX will listen for connections on every network interface of this machine, whatever "
+            f"BackendConfig.host ({config.host}) says; set UCX_NET_DEVICES={device or '<interface>'} before NIXL "
+            "is imported, or use BackendConfig(process_settings=True)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    if not config.process_settings and first and "UCX_MODULES" not in os.environ and efa_conflict():
         warnings.warn(
             "kvwire-nixl: this system's libefa.so.1 (rdma-core) will be loaded by NIXL's UCX EFA module next to "
             "the rdma-core bundled in the NIXL wheel, and the process will crash (SIGSEGV) when it exits. "
