@@ -194,6 +194,7 @@ VARIANTS: dict[str, tuple[str, str]] = {
         ),
     ),
     "os-exit": ("os_exit", backend_source(prelude="import os\n\nos._exit(3)\n\n")),
+    "keyboard-interrupt": ("keyboard_interrupt", backend_source(prelude="raise KeyboardInterrupt\n\n")),
     "segfault": ("segfault", backend_source(prelude="import ctypes\n\nctypes.string_at(0)\n\n")),
     "import-loop": ("import_loop", backend_source(prelude="import time\n\nwhile True:\n    time.sleep(0.05)\n\n")),
     "print-noise": ("print_noise", backend_source(prelude='print("noise")\n\n')),
@@ -210,7 +211,7 @@ VARIANTS: dict[str, tuple[str, str]] = {
 }
 
 #: Entry-point names of the variants that end or hang the process that imports them (or probes their runtime).
-FATAL_IN_PROCESS = frozenset({"os_exit", "segfault", "import_loop", "hung_availability"})
+FATAL_IN_PROCESS = frozenset({"os_exit", "segfault", "import_loop", "hung_availability", "keyboard_interrupt"})
 #: Entry-point names of the variants that write to stdout at import.
 NOISY = frozenset({"print_noise", "fd_noise"})
 

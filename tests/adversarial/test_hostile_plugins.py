@@ -6,6 +6,7 @@ Every case asserts the exit code, the error type and the exact message.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -41,6 +42,12 @@ HOSTILE: dict[str, tuple[str, str | None]] = {
         "the check process was killed by signal 11 (SIGSEGV) while importing kvtest_segfault; "
         "fix the module-level code of kvtest_segfault (importing it must not block or exit), "
         "or uninstall kvtest-segfault",
+    ),
+    "keyboard_interrupt": (
+        "import-error",
+        "raised KeyboardInterrupt while importing kvtest_keyboard_interrupt; "
+        "fix the module-level code of kvtest_keyboard_interrupt (importing it must not block or exit), "
+        "or uninstall kvtest-keyboard-interrupt",
     ),
     "import_loop": (
         "timeout",
@@ -275,3 +282,17 @@ def test_check_piped_into_head_exits_quietly(plugin_site: Path) -> None:
     assert proc.stdout == "[\n"
     assert proc.stderr == ""  # no BrokenPipeError traceback
     assert proc.returncode in (0, 141)
+
+
+def test_a_keyboard_interrupt_in_a_command_is_one_line_and_exit_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Round 1 leftover: a KeyboardInterrupt (Ctrl-C, or a plugin imported in process) printed a traceback."""
+    cli = importlib.import_module("kvwire.cli.main")
+
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_cmd_check", interrupted)
+    assert cli.main(["check"]) == 130
+    assert capsys.readouterr().err == "kvwire check: interrupted\n"

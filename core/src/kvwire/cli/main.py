@@ -24,6 +24,7 @@ from kvwire.registry.manager import Registry, allow_list_error, installed_backen
 __all__ = ["main"]
 
 _SIGPIPE_EXIT = 128 + 13  # what a shell reports for a process ended by SIGPIPE
+_INTERRUPTED_EXIT = 128 + 2  # and for one ended by SIGINT (Ctrl-C)
 
 
 def _check_table(infos: Sequence[BackendInfo]) -> str:
@@ -156,6 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KvwireError as exc:  # bad arguments, a missing backend, a failed transfer: one line, no traceback
         print(f"kvwire {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C, or a plugin imported in this process raising it: one line, no traceback
+        print(f"kvwire {args.command}: interrupted", file=sys.stderr)
+        return _INTERRUPTED_EXIT
     except BrokenPipeError:  # the reader left (`kvwire check --json | head -1`): stop quietly, as SIGPIPE would
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's last flush has somewhere to go

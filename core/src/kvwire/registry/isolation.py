@@ -44,6 +44,7 @@ GRACE_S = 5.0
 PARALLEL = max(8, 2 * (os.cpu_count() or 1))
 _MAX_WAIT = 60.0  # longest single select(): a huge --timeout must not overflow it
 _EXIT_BUG = 70  # a fork's own failure (not the plugin's), as in sysexits' EX_SOFTWARE
+_EXIT_INTERRUPTED = 130  # the plugin raised KeyboardInterrupt (a real Ctrl-C reaches the parent too)
 
 Send = Callable[[Mapping[str, Any]], None]
 
@@ -75,6 +76,9 @@ def verdict(job: Job, phase: str | None, *, timeout: float | None = None, code: 
     if timeout is not None:
         error = f"no answer within {timeout:g}s {where} (the check process was killed); {fix}, or raise --timeout"
         return BackendInfo(job.name, job.distribution, job.version, job.value, "timeout", error=error)
+    if code == _EXIT_INTERRUPTED:
+        error = f"raised KeyboardInterrupt {where}; {fix}, {uninstall}"
+        return BackendInfo(job.name, job.distribution, job.version, job.value, "import-error", error=error)
     if code is not None and code < 0:
         try:
             signame = f" ({signal.Signals(-code).name})"
@@ -133,7 +137,9 @@ def _start_fork(job: Job, timeout: float, channel: int, close: list[int]) -> tup
             for fd in (read_fd, channel, *close):
                 os.close(fd)
             _probe(job, _sender(write_fd))
-        except BaseException:  # a bug of this module, or KeyboardInterrupt: say so on stderr
+        except KeyboardInterrupt:  # raised by the plugin's code (loading re-raises it): reported by the parent
+            code = _EXIT_INTERRUPTED
+        except BaseException:  # a bug of this module: say so on stderr
             traceback.print_exc()
             code = _EXIT_BUG
         finally:
@@ -247,7 +253,10 @@ def main() -> int:
         _fork_all(jobs, float(request["timeout"]), send, channel)
     else:
         for job in jobs:
-            _probe(job, send)
+            try:
+                _probe(job, send)
+            except KeyboardInterrupt:  # raised by the plugin's code: the parent reports it for this job
+                return _EXIT_INTERRUPTED
     return 0
 
 
