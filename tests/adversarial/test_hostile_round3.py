@@ -330,3 +330,31 @@ def test_lint_checks_a_class_nested_in_a_class_body(tmp_path: Path) -> None:
     )
     found = sorted((f.subclass, f.rule, f.parameter) for f in lint_tree(tmp_path, ["send"]))
     assert found == [("Deeper", "override-required-parameter", "c"), ("Inner", "override-missing-parameter", "b")]
+
+
+# -- notifications nobody polls ------------------------------------------------------------------------------
+
+
+def test_a_receiver_that_never_polls_keeps_at_most_the_limit_oldest_dropped_and_counted(pair: Pair) -> None:
+    """Defect 6: unpolled notifications grew without bound; every transport now keeps them in kvwire.submit.Inbox."""
+    from kvwire.submit import MAX_UNPOLLED_NOTIFICATIONS
+
+    sender, receiver, endpoint = pair
+    flood = MAX_UNPOLLED_NOTIFICATIONS + 1000
+    for i in range(flood):
+        sender.send_notification(endpoint, i.to_bytes(4, "big"))
+    inbox = receiver.backend.transport._inbox
+    assert len(inbox) == MAX_UNPOLLED_NOTIFICATIONS and inbox.dropped == 1000
+    got = receiver.poll_notifications()
+    assert [n.message for n in got[:2]] == [(1000).to_bytes(4, "big"), (1001).to_bytes(4, "big")]  # the oldest went
+    assert got[-1].message == (flood - 1).to_bytes(4, "big") and receiver.poll_notifications() == []
+
+
+def test_the_inbox_keeps_the_newest_and_counts_what_it_dropped() -> None:
+    from kvwire.submit import Inbox
+
+    inbox: Inbox[int] = Inbox(limit=3)
+    inbox.extend(range(5))
+    assert (inbox.drain(), inbox.dropped) == ([2, 3, 4], 2)
+    inbox.extend([9])
+    assert (inbox.drain(), inbox.dropped, inbox.drain()) == ([9], 2, [])

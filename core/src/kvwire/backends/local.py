@@ -18,12 +18,11 @@ import itertools
 import os
 import threading
 import weakref
-from collections import deque
 
 from kvwire.config import BackendConfig
 from kvwire.errors import PeerUnreachableError
 from kvwire.planning.plan import TransferPlan
-from kvwire.submit.notifications import Notification
+from kvwire.submit.notifications import Inbox, Notification
 from kvwire.transport.backend import TransportBackend
 from kvwire.transport.interface import Transport
 from kvwire.transport.regions import RegionSet
@@ -42,7 +41,7 @@ class LocalTransport(Transport):
 
     def __init__(self) -> None:
         self.regions = RegionSet()
-        self._inbox: deque[Notification] = deque()
+        self._inbox: Inbox[Notification] = Inbox()
         with _lock:
             self._endpoint = f"local://{os.getpid()}/{next(_counter)}"
             _directory[self._endpoint] = self
@@ -75,13 +74,10 @@ class LocalTransport(Transport):
             ctypes.memmove(dst, src, length)
 
     def notify(self, session_id: str, message: bytes) -> None:
-        self._peer(session_id)._inbox.append(Notification(self._endpoint, message))  # deque.append is atomic
+        self._peer(session_id)._inbox.extend([Notification(self._endpoint, message)])
 
     def poll_notifications(self) -> list[Notification]:
-        out: list[Notification] = []
-        while self._inbox:
-            out.append(self._inbox.popleft())
-        return out
+        return self._inbox.drain()
 
     def close(self) -> None:
         with _lock:

@@ -2,9 +2,11 @@
 
 This package's own names are public for transport authors: the helpers a transport's worker
 threads need to complete futures the way the core does (kvwire-mooncake and kvwire-nixl both
-use them). Import them from here, ``from kvwire.submit import run_into``.
+use them), and the bounded inbox every transport keeps unpolled notifications in. Import them
+from here, ``from kvwire.submit import run_into``.
 """
 
 from kvwire.submit.futures import fail_unstarted, queued_behind, run_into, start
+from kvwire.submit.notifications import MAX_UNPOLLED_NOTIFICATIONS, Inbox
 
-__all__ = ["fail_unstarted", "queued_behind", "run_into", "start"]
+__all__ = ["MAX_UNPOLLED_NOTIFICATIONS", "Inbox", "fail_unstarted", "queued_behind", "run_into", "start"]

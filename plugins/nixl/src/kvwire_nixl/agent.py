@@ -32,7 +32,6 @@ import secrets
 import socket
 import threading
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager, suppress
@@ -41,6 +40,7 @@ from typing import Any, Final, TypeVar
 import numpy as np
 
 import kvwire
+from kvwire.submit import Inbox
 from kvwire_nixl.errors import translate
 from kvwire_nixl.locate import import_nixl
 from kvwire_nixl.memory import Segment
@@ -64,7 +64,6 @@ def agent_name() -> str:
 
 
 #: Notifications kept for the next poll at most (about 256 MiB at the largest message size).
-INBOX_LIMIT: Final = 65536
 
 
 class _State:
@@ -81,8 +80,8 @@ class _State:
         self.leaked: list[Any] = []  # transfer handles NIXL refused to release (still in flight)
         self.failed_loads: set[str] = set()  # peer agents whose metadata failed to load
         self.streams: list[SerialThread] = []  # the posting threads (streams > 1 only)
-        # notifications drained but not yet polled; the oldest are dropped past INBOX_LIMIT (a peer cannot flood it)
-        self.inbox: deque[tuple[str, bytes]] = deque(maxlen=INBOX_LIMIT)
+        # notifications drained but not yet polled; the oldest are dropped past the limit (a peer cannot flood it)
+        self.inbox: Inbox[tuple[str, bytes]] = Inbox()
 
 
 def _drain(state: _State, agent: Any) -> None:
@@ -292,9 +291,7 @@ class NixlAgent:
                 _drain(self._state, agent)
             except Exception as exc:
                 raise translate(exc, "reading NIXL notifications", None, posted=False) from exc.with_traceback(None)
-            out = list(self._state.inbox)
-            self._state.inbox.clear()
-        return out
+            return self._state.inbox.drain()
 
     def leak(self, handle: Any) -> None:
         """Keep a handle NIXL would not release (in flight); released at close."""
