@@ -6,7 +6,6 @@ write is in flight, done or still queued is known exactly; nothing sleeps.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -14,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from standins import OneStream
 
 import kvwire
 from kvwire_nixl.feed import DONE, PROC, Group, Write
@@ -71,31 +71,6 @@ class _Agent:
         self.notified.append((peer, message))
 
 
-class _Nixl:
-    """A one-stream ``NixlAgent`` stand-in: each chunk is posted at once, on the submitter's thread."""
-
-    streams = 1
-
-    def __init__(self, agent: _Agent) -> None:
-        self.agent = agent
-        self.lock = threading.Lock()
-        self.quiet = contextlib.nullcontext()
-
-    def raw(self) -> _Agent:
-        return self.agent
-
-    def on_stream(self, index: int, fn: Callable[[], list[str]]) -> Future[list[str]]:
-        future: Future[list[str]] = Future()
-        try:
-            future.set_result(fn())
-        except BaseException as exc:
-            future.set_exception(exc)
-        return future
-
-    def leak(self, handle: Any) -> None:
-        pass
-
-
 def _jobs(writes: list[tuple[str, str]]) -> tuple[dict[int, str], list[Job]]:
     """One job per ``(name, peer)``, each with its own table address and the notification ``name``."""
     names: dict[int, str] = {}
@@ -118,7 +93,7 @@ def test_writes_to_one_peer_complete_in_submission_order_when_a_later_one_is_don
 
     for (name, _peer), job in zip(order, jobs):  # before submission: no job completes before its callback is in place
         job.future.add_done_callback(recorder(name))
-    submitter = Submitter(_Nixl(agent), "test-order")  # type: ignore[arg-type]
+    submitter = Submitter(OneStream(agent), "test-order")  # type: ignore[arg-type]
     try:
         futures = [submitter.submit(job) for job in jobs]
         assert agent.last_done.wait(10)  # w2 and w3 are done, w1 still in flight
@@ -134,7 +109,7 @@ def test_writes_to_one_peer_complete_in_submission_order_when_a_later_one_is_don
 def test_close_fails_the_writes_still_queued_without_posting_them() -> None:
     names, jobs = _jobs([("first", "p"), ("a", "p"), ("b", "q"), ("c", "p")])
     agent = _Agent(names, blocking="first")
-    submitter = Submitter(_Nixl(agent), "test-close")  # type: ignore[arg-type]
+    submitter = Submitter(OneStream(agent), "test-close")  # type: ignore[arg-type]
     closer = threading.Thread(target=submitter.close)
     try:
         first = submitter.submit(jobs[0])

@@ -7,14 +7,12 @@ peer ``dead`` blocks until the test lets it fail, so which writes are still queu
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
-from typing import Any
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from standins import OneStream
 
 import kvwire
 from kvwire_nixl.feed import DONE, Group, Write
@@ -59,29 +57,11 @@ class _Agent:
         self.notified.append((peer, message))
 
 
-class _Nixl:
-    """A one-stream ``NixlAgent`` stand-in: each chunk is posted at once, on the submitter's thread."""
-
-    streams = 1
+class _Nixl(OneStream[_Agent]):
+    """One stream around a fresh stand-in agent."""
 
     def __init__(self) -> None:
-        self.agent = _Agent()
-        self.lock = threading.Lock()
-        self.quiet = contextlib.nullcontext()
-
-    def raw(self) -> _Agent:
-        return self.agent
-
-    def on_stream(self, index: int, fn: Callable[[], list[str]]) -> Future[list[str]]:
-        future: Future[list[str]] = Future()
-        try:
-            future.set_result(fn())
-        except BaseException as exc:
-            future.set_exception(exc)
-        return future
-
-    def leak(self, handle: Any) -> None:
-        pass
+        super().__init__(_Agent())
 
 
 def _job(peer: str, notification: bytes | None = None) -> Job:

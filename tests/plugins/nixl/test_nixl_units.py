@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from standins import run_now
 
 import kvwire
 from kvwire_nixl import locate
@@ -308,12 +309,7 @@ class _Streams:
         self.started: list[tuple[int, str]] = []
 
     def on_stream(self, index: int, fn: Callable[[], list[str]]) -> Future[list[str]]:
-        future: Future[list[str]] = Future()
-        try:
-            future.set_result(fn())
-        except BaseException as exc:
-            future.set_exception(exc)
-        return future
+        return run_now(fn)
 
 
 def test_feed_posts_chunks_in_order_drops_a_failed_writes_rest_and_takes_work_added_between() -> None:
