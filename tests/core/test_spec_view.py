@@ -59,7 +59,8 @@ def test_current_spec_prints_every_hook_capability_and_release(capsys: pytest.Ca
 
 
 def test_an_older_version_leaves_out_what_came_later(capsys: pytest.CaptureFixture[str]) -> None:
-    lines = _run(capsys, "--version", "1.1")
+    lines = _run(capsys, "--at", "1.1")
+    assert _run(capsys, "--version", "1.1") == lines  # the former name still works
     assert lines[0] == "kvwire backend spec 1.1 (current is 1.5; known: 1.0, 1.1, 1.2, 1.3, 1.4, 1.5)"
     text = "\n".join(lines)
     assert "submit" not in text

@@ -227,8 +227,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     versions = "{" + ",".join(_versions()) + "}"
     which = parser.add_mutually_exclusive_group()
     which.add_argument(
-        "--version", default=str(CURRENT), metavar=versions, help=f"the spec at this version (default: {CURRENT})"
+        "--at",
+        dest="version",
+        default=str(CURRENT),
+        metavar=versions,
+        help=f"the spec at this version (default: {CURRENT})",
     )
+    # the former name: --version means "kvwire's version" everywhere else, so it is kept working but not shown
+    which.add_argument("--version", dest="version", help=argparse.SUPPRESS)
     which.add_argument("--diff", nargs=2, metavar=("OLD", "NEW"), help=f"what changed from OLD to NEW, each {versions}")
     parser.add_argument("--json", action="store_true", help="print JSON for tools")
 
