@@ -8,7 +8,8 @@ peer ``dead`` blocks until the test lets it fail, so which writes are still queu
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -122,3 +123,56 @@ def test_writes_taken_with_a_failed_one_but_not_yet_begun_are_failed_unposted(ni
     finally:
         nixl.agent.fail.set()
         submitter.close()
+
+
+class _TwoStreams(OneStream[_Agent]):
+    """Two streams, each a thread: a write to "alive" can be posting while one to "dead" fails."""
+
+    streams = 2
+
+    def __init__(self) -> None:
+        super().__init__(_Agent())
+        self.pools = [ThreadPoolExecutor(1) for _ in range(2)]
+
+    def on_stream(self, index: int, fn: Callable[[], list[str]]) -> Future[list[str]]:
+        return self.pools[index].submit(fn)
+
+
+def test_a_retry_submitted_after_a_failure_was_reported_is_tried_not_failed_behind_it() -> None:
+    """The write failed behind A must not, when it completes, fail what was submitted after A's failure."""
+    nixl = _TwoStreams()
+    agent = nixl.agent
+    alive_posting, alive_go = threading.Event(), threading.Event()
+    original = agent.transfer
+
+    def transfer(handle: _Handle) -> str:
+        if handle.peer == "alive":
+            agent.posted.append("alive")
+            alive_posting.set()
+            alive_go.wait(10)  # holds its stream: B cannot be posted, nor completed, until released
+            return DONE
+        return original(handle)
+
+    agent.transfer = transfer  # type: ignore[method-assign]
+    submitter = Submitter(nixl, "test-retry")  # type: ignore[arg-type]
+    try:
+        with submitter._cond:  # A (dead), Y (alive), B (dead) are taken together
+            a = submitter.submit(_job("dead"))
+            y = submitter.submit(_job("alive"))
+            b = submitter.submit(_job("dead"))
+        assert agent.posting_dead.wait(10) and alive_posting.wait(10)
+        agent.fail.set()
+        assert a.exception(timeout=10) is not None  # A's failure is reported; B is failed behind it, not yet completed
+        retry = submitter.submit(_job("dead"))  # the caller tries again
+        alive_go.set()
+        assert y.result(timeout=10) is None
+        assert str(b.exception(timeout=10)).startswith("not started: an earlier write to dead failed")
+        error = retry.exception(timeout=10)
+        assert str(error) == "NIXL write to dead failed when posted (['ERR'])"  # its own failure: it was tried
+        assert agent.posted == ["dead", "alive", "dead"]
+    finally:
+        agent.fail.set()
+        alive_go.set()
+        submitter.close()
+        for pool in nixl.pools:
+            pool.shutdown()

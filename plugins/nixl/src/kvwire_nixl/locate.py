@@ -67,6 +67,14 @@ def nixl_availability() -> str | None:
     return None
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) is this machine's loopback, reachable from no other."""
+    try:
+        return socket.gethostbyname(host).startswith("127.")
+    except OSError:
+        return False
+
+
 def interface_of(host: str) -> str | None:
     """The network interface that holds IPv4 address ``host`` (a name is resolved first), or None.
 
@@ -103,15 +111,20 @@ def import_nixl(config: kvwire.BackendConfig) -> ModuleType:
     """The NIXL module providing ``nixl_agent``; BackendUnavailableError when none imports.
 
     With ``config.process_settings``, variables NIXL and UCX read once, when their
-    libraries load, get defaults (a value already set is kept): ``UCX_NET_DEVICES``
-    set to the interface that holds ``config.host`` (``lo`` for the default
-    127.0.0.1), so UCX's TCP listeners bind there only; ``UCX_MODULES=^efa``
+    libraries load, get defaults (a value already set is kept): for a loopback
+    ``config.host`` (the default 127.0.0.1) ``UCX_NET_DEVICES=lo``, so UCX's TCP
+    listeners bind there only (for another host kvwire leaves the devices alone:
+    naming one interface would drop UCX's RDMA devices too, and warns instead);
+    ``UCX_MODULES=^efa``
     (see :func:`efa_conflict`), ``UCX_LOG_FILE=stderr`` and, unless ``verbose``,
     ``NIXL_LOG_LEVEL=ERROR`` and ``UCX_LOG_LEVEL=error``. Without it the environment is left alone, and a
-    RuntimeWarning says when UCX will listen on every interface and when this process will crash at exit.
+    RuntimeWarning says when this process will crash at exit. Either way a RuntimeWarning says when UCX
+    will listen on every interface.
     """
     first = not any(name in sys.modules for name in MODULES)
-    device = interface_of(config.host)
+    # Restricting UCX's network devices to one interface would also drop its RDMA devices (mlx5_0:1, ...), so
+    # kvwire does it only for a loopback host, where no peer is on another machine anyway.
+    device = (interface_of(config.host) or "lo") if is_loopback(config.host) else None
     if config.process_settings:
         if device is not None:  # UCX's TCP listeners then bind there only, not on every interface
             os.environ.setdefault("UCX_NET_DEVICES", device)
@@ -120,11 +133,12 @@ def import_nixl(config: kvwire.BackendConfig) -> ModuleType:
         if not config.verbose:
             os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
             os.environ.setdefault("UCX_LOG_LEVEL", "error")
-    elif first and "UCX_NET_DEVICES" not in os.environ:
+    if first and "UCX_NET_DEVICES" not in os.environ:
         warnings.warn(
             "kvwire-nixl: UCX will listen for connections on every network interface of this machine, whatever "
-            f"BackendConfig.host ({config.host}) says; set UCX_NET_DEVICES={device or '<interface>'} before NIXL "
-            "is imported, or use BackendConfig(process_settings=True)",
+            f"BackendConfig.host ({config.host}) says; set UCX_NET_DEVICES to the interface of that address "
+            "(and your RDMA devices, e.g. eth1,mlx5_0:1) before NIXL is imported"
+            + ("" if device is None else ", or use BackendConfig(process_settings=True)"),
             RuntimeWarning,
             stacklevel=2,
         )

@@ -57,6 +57,7 @@ class Job:
     timeout_s: float
     future: Future[None] = field(default_factory=Future)
     started: float = 0.0
+    behind: bool = False  # failed unstarted behind another write's failure (its own failure fails nothing more)
 
 
 def _settle(future: Future[None], error: BaseException | None) -> None:
@@ -172,13 +173,14 @@ class Submitter:
                 continue
             self._inflight.remove(job)
             self._complete(agent, job)
-            if isinstance(failed := write.error, kvwire.TransferError):
-                self._fail_queued(write.session, failed)
+            if isinstance(failed := write.error, kvwire.TransferError) and not job.behind:
+                self._fail_queued(write.session, failed)  # not for one failed behind: a retry since is tried
 
     def _fail_queued(self, session: str, cause: kvwire.TransferError) -> None:
         """Fail the writes to ``session`` not started yet, with ``cause``'s class: nothing of theirs is sent."""
         for job in self._inflight:
             if job.write.session == session and not job.write.begun:
+                job.behind = True
                 job.write.fail(queued_behind(cause, session))  # its chunks are dropped, not posted
         with self._cond:
             queued = [job for job in self._queue if job.write.session == session]
