@@ -352,8 +352,44 @@ def test_send_kvcache_slice_to_a_rank_the_decode_did_not_publish_is_refused(capl
     assert "dst_tp_rank = 0, but the decode published attention-TP rank 1" in caplog.text
     with caplog.at_level(logging.ERROR, logger="kvwire.compat.sglang"):  # sglang's view of the decode's TP size
         ret = _Manager(sender).send_kvcache_slice(
-            receiver.endpoint(), np.array([1], np.int32), _ptrs(dst), np.array([1], np.int32), 1, 4, 64, None  # type: ignore[arg-type]
+            receiver.endpoint(),
+            np.array([1], np.int32),
+            _ptrs(dst),
+            np.array([1], np.int32),
+            1,
+            4,
+            64,
+            None,  # type: ignore[arg-type]
         )
     assert ret == -22
     assert "dst_attn_tp_size = 4, but the peer's layout records attention TP size 2" in caplog.text
     assert (dst == 1).all()
+
+
+def test_a_pipeline_stage_numbers_its_layers_from_its_first_so_they_land_on_the_decodes_same_layers() -> None:
+    """sglang's plain pools send kv_layer_ids []; stage 1 of PP 2 holds layers 2 and 3 (prefill_start_layer 2)."""
+    src, dst = _pools("mha", 2, 8, 3), _pools("mha", 4, 16, 4)  # prefill stage: 2 layers; decode (PP 1): 4
+    before = dst.copy()
+    stage = layout_from_kv_args(_ptrs(src), [8 * 64] * 4, [64] * 4, [], attention="mha", memory="host", first_layer=2)
+    decode = layout_from_kv_args(_ptrs(dst), [16 * 64] * 8, [64] * 8, [], attention="mha", memory="host")
+    assert [b.layer for b in stage.buffers] == [2, 3, 2, 3]
+    sender, receiver = kvwire.connect("local"), kvwire.connect("local")
+    sender.register_kv_buffers(stage)
+    receiver.register_kv_buffers(decode)
+    sender.add_peer(receiver.endpoint(), decode)
+    ids = np.array([1, 5], np.int32)
+    ret = SglangSender(sender).send_kvcache(receiver.endpoint(), ids, _ptrs(dst), ids, None, dst_layer_ids=[])  # type: ignore[arg-type]
+    assert ret == 0
+    k2, k3, v2, v3 = 2, 3, 6, 7  # decode buffers: K0..K3 then V0..V3
+    for stage_buffer, decode_buffer in zip(range(4), (k2, k3, v2, v3)):
+        assert (dst[decode_buffer, [1, 5]] == src[stage_buffer, [1, 5]]).all()
+    untouched = [b for b in range(8) if b not in (k2, k3, v2, v3)]
+    assert (dst[untouched] == before[untouched]).all()
+
+
+def test_draft_model_kv_is_refused_at_start_instead_of_mislabelled() -> None:
+    manager = object.__new__(_Manager)
+    manager.kv_args = SimpleNamespace(num_draft_entries=2)  # type: ignore[attr-defined]
+    with pytest.raises(LayoutError) as exc:
+        manager.kvwire_local_layout()
+    assert str(exc.value).startswith("kvwire-sglang does not support draft-model KV (speculative decoding) yet")

@@ -58,6 +58,7 @@ def layout_from_kv_args(
     attn_tp_size: int | None = None,
     attn_tp_rank: int | None = None,
     heads: HeadLayout | None = None,
+    first_layer: int = 0,
 ) -> KVLayout:
     """The :class:`KVLayout` of sglang's ``KVArgs`` (``kv_data_ptrs``, ``kv_data_lens``, ``kv_item_lens``...).
 
@@ -65,7 +66,9 @@ def layout_from_kv_args(
     one buffer per layer. ``kv_item_lens`` are bytes per page and ``kv_data_lens``
     bytes per buffer, so a buffer holds ``data_len // item_len`` pages.
     ``kv_layer_ids`` is taken as sglang builds it (``[]`` or None: ``0..n-1``;
-    see :func:`layer_ids_from_sglang`), or one id per layer. ``memory`` is
+    see :func:`layer_ids_from_sglang`), or one id per layer; positional ids start at
+    ``first_layer`` (a pipeline stage's ``prefill_start_layer``, so that its layers land on
+    the decode's layers of the same number, as sglang's ``get_mha_kv_ptrs_with_pp`` does). ``memory`` is
     required: ``"device"`` for GPU pools, ``"host"`` for CPU tensors (a wrong
     label picks the wrong page ids for split destinations).
     For transfers across attention TP sizes give the rank (sglang's
@@ -85,7 +88,7 @@ def layout_from_kv_args(
         given = layer_ids_from_sglang(kv_layer_ids, "kv_layer_ids")
     except InvalidTransferError as exc:
         raise LayoutError(str(exc)) from None
-    ids = list(range(per_layer)) if given is None else given
+    ids = list(range(first_layer, first_layer + per_layer)) if given is None else given
     if len(ids) != per_layer:
         raise LayoutError(
             f"kv_layer_ids has {len(ids)} entries; expected none (sglang's [] for positional layers), "

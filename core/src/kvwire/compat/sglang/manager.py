@@ -109,7 +109,11 @@ class KvwireManagerMixin(KvwireSendMixin):
         self.kvwire_layout = self.kvwire_local_layout()
         config = BackendConfig(options={"engine": self.engine.engine, "host_registered": True})
         self.kvwire_connection = connect(self.kvwire_backend, config)
-        self.kvwire_connection.register_kv_buffers(self.kvwire_layout)
+        try:
+            self.kvwire_connection.register_kv_buffers(self.kvwire_layout)
+        except BaseException:
+            self.kvwire_connection.close()
+            raise
 
     def kvwire_local_layout(self) -> KVLayout:
         """This rank's layout, from sglang's ``kv_args`` (host memory when sglang runs on CPU).
@@ -118,6 +122,12 @@ class KvwireManagerMixin(KvwireSendMixin):
         slices between different attention-TP sizes.
         """
         a = self.kv_args
+        drafts = int(getattr(a, "num_draft_entries", 0) or 0)
+        if drafts:  # appended after the target's K and V: the halves would be mislabelled, so refuse, loudly
+            raise LayoutError(
+                f"kvwire-sglang does not support draft-model KV (speculative decoding) yet: kv_args has {drafts} "
+                "draft entries after the target's; run without SGLANG_PLUGINS=kvwire for this deployment"
+            )
         mla = bool(self.is_mla_backend or getattr(a, "is_hybrid_mla_backend", False))  # hybrid MLA: one per layer
         return layout_from_kv_args(
             a.kv_data_ptrs,
@@ -129,6 +139,7 @@ class KvwireManagerMixin(KvwireSendMixin):
             attn_tp_size=int(self.attn_tp_size),
             attn_tp_rank=int(self.attn_tp_rank),
             heads=None if mla else heads_of_kv_args(a),
+            first_layer=int(getattr(a, "prefill_start_layer", 0) or 0),  # a pipeline stage's first layer
         )
 
     def send_kvcache_slice(
@@ -242,5 +253,7 @@ class KvwireManagerMixin(KvwireSendMixin):
         return verdict
 
     def teardown(self) -> None:
-        super().teardown()  # type: ignore[misc]
-        self.kvwire_connection.close()
+        try:
+            super().teardown()  # type: ignore[misc]
+        finally:
+            self.kvwire_connection.close()
