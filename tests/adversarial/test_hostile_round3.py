@@ -92,8 +92,7 @@ def test_a_raising_callback_loses_no_arrival_of_its_poll(pair: Pair) -> None:
         watcher.wait(3, timeout_s=10)
     with pytest.raises(RuntimeError, match="cannot digest b'n1'"):
         watcher.stop()
-    kept = [a.notification.message for a in watcher._kept.values()]
-    assert kept == [b"n1", b"n2", b"n3"]
+    assert [a.notification.message for a in watcher.kept] == [b"n1", b"n2", b"n3"]
 
 
 @pytest.mark.parametrize(
@@ -104,8 +103,9 @@ def test_a_raising_callback_loses_no_arrival_of_its_poll(pair: Pair) -> None:
         (lambda w: w.wait_for("abc", 0.1), "message must be bytes (notifications are bytes), got str"),
         (lambda w: w.wait_for(b"x", float("nan")), "timeout_s must be a finite number of seconds >= 0, got nan"),
         (lambda w: w.stop(-1), "timeout_s must be a finite number of seconds >= 0, got -1"),
+        (lambda w: w.wait(5000, 0.1), "count 5000 is more than this watcher keeps (max_kept=4096)"),
     ],
-    ids=["count-str", "timeout-str", "message-str", "timeout-nan", "stop-negative"],
+    ids=["count-str", "timeout-str", "message-str", "timeout-nan", "stop-negative", "count-over-kept"],
 )
 def test_the_wait_methods_refuse_bad_arguments_by_name(pair: Pair, call: object, message: str) -> None:
     """Defect 12: wait("1", 0.1) raised a raw TypeError; wait_for("abc") silently never matched."""

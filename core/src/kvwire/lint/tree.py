@@ -130,15 +130,15 @@ class Module:
         if self._text is None:
             self._text = ""
             try:
-                info = os.stat(self.path)  # follows a link: what would be read
-                if not stat.S_ISREG(info.st_mode):  # a FIFO would block the open, a device never end
-                    self._fail("not a regular file")
-                elif info.st_size > MAX_SOURCE_BYTES:
-                    self._fail(f"{info.st_size} bytes, over the limit of {MAX_SOURCE_BYTES}")
-                else:
-                    with open(self.path, "rb") as file:
-                        data = file.read(MAX_SOURCE_BYTES + 1)
-                    if len(data) > MAX_SOURCE_BYTES:  # grew since stat
+                # non-blocking: opening a FIFO would wait for a writer; then judge what was opened, not the name
+                fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+                with open(fd, "rb") as file:
+                    info = os.fstat(fd)
+                    if not stat.S_ISREG(info.st_mode):  # a FIFO, or a device that never ends
+                        self._fail("not a regular file")
+                    elif info.st_size > MAX_SOURCE_BYTES:
+                        self._fail(f"{info.st_size} bytes, over the limit of {MAX_SOURCE_BYTES}")
+                    elif len(data := file.read(MAX_SOURCE_BYTES + 1)) > MAX_SOURCE_BYTES:  # grew since
                         self._fail(f"over the limit of {MAX_SOURCE_BYTES} bytes")
                     else:
                         self._text = importlib.util.decode_source(data)

@@ -49,8 +49,8 @@ class NotificationWatcher:
     ``on_arrival(arrival)`` runs on the watcher's thread for each one, in arrival
     order, before it is kept; an exception from it or from polling stops the
     watcher and is raised by the next :meth:`wait`, :meth:`wait_for` or :meth:`stop`
-    (the arrivals of that poll are kept all the same, the callback is not run on the
-    rest). ``poll_s`` is the pause after an empty poll (0: only yield the CPU).
+    (the arrivals of that poll are kept all the same, in :attr:`kept`, and the callback
+    is not run on the rest). ``poll_s`` is the pause after an empty poll (0: only yield the CPU).
 
     At most ``max_kept`` arrivals are kept for :meth:`wait` and :meth:`wait_for`
     (0: none, for a watcher used only through ``on_arrival``); past it the oldest is
@@ -128,6 +128,12 @@ class NotificationWatcher:
                 self._by_message.setdefault(arrival.notification.message, deque()).append(self._count)
             self._cond.notify_all()
 
+    @property
+    def kept(self) -> list[Arrival]:
+        """The arrivals kept now, oldest first, without waiting and without raising what stopped the watcher."""
+        with self._cond:
+            return list(self._kept.values())
+
     def _forget(self, message: bytes, number: int) -> None:
         numbers = self._by_message[message]
         numbers.remove(number)  # the oldest of its message: at the left, found at once
@@ -142,6 +148,8 @@ class NotificationWatcher:
         """The arrivals kept so far, once there are ``count`` or ``timeout_s`` passed."""
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ConfigError(f"count must be an int >= 0, got {count!r}")
+        if count > self._max_kept:
+            raise ConfigError(f"count {count} is more than this watcher keeps (max_kept={self._max_kept})")
         timeout = _timeout(timeout_s)
         with self._cond:
             self._cond.wait_for(lambda: len(self._kept) >= count or self._error is not None, timeout)
