@@ -358,3 +358,15 @@ def test_the_inbox_keeps_the_newest_and_counts_what_it_dropped() -> None:
     assert (inbox.drain(), inbox.dropped) == ([2, 3, 4], 2)
     inbox.extend([9])
     assert (inbox.drain(), inbox.dropped, inbox.drain()) == ([9], 2, [])
+
+
+def test_lint_leaves_a_nested_class_whose_base_is_bound_in_the_enclosing_body(tmp_path: Path) -> None:
+    """Python binds Impl's base to Outer.Base; lint resolves at module level, so it must not judge Impl by Base."""
+    from kvwire.lint import lint_tree
+
+    (tmp_path / "m.py").write_text(
+        "class Base:\n    def send(self, a, b):\n        pass\n\n\nclass Outer:\n    class Base:\n"
+        "        def send(self, a):\n            pass\n\n"
+        "    class Impl(Base):\n        def send(self, a):\n            pass\n"
+    )
+    assert lint_tree(tmp_path, ["send"]) == []

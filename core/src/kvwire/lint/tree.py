@@ -286,12 +286,39 @@ class Module:
         return out
 
 
-def _inner_classes(cls: ast.ClassDef) -> Iterator[ast.ClassDef]:
-    """The classes defined in ``cls``'s body, at any depth of class nesting (bases resolve at module level)."""
+def _inner_classes(cls: ast.ClassDef, enclosing: frozenset[str] = frozenset()) -> Iterator[ast.ClassDef]:
+    """The classes defined in ``cls``'s body, at any depth of class nesting, whose bases resolve at module level.
+
+    A class whose base is a name bound in an enclosing class body (``class Outer: class Base: ...;
+    class Impl(Base)``) is left out: lint resolves names at module level and would pick the wrong class.
+    """
+    bound = enclosing | _bound_in(cls.body)
     for node in _walk_block(cls.body):
         if isinstance(node, ast.ClassDef):
+            roots = {_root_name(base) for base in node.bases}
+            if roots & bound:
+                continue
             yield node
-            yield from _inner_classes(node)
+            yield from _inner_classes(node, bound)
+
+
+def _bound_in(body: list[ast.stmt]) -> frozenset[str]:
+    """The names a class body binds: its classes, functions and assignment targets."""
+    names: set[str] = set()
+    for node in _walk_block(body):
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return frozenset(names)
+
+
+def _root_name(expr: ast.expr) -> str | None:
+    """``a`` of ``a``, ``a.b.c`` or ``a[...]``; None for anything else."""
+    while isinstance(expr, (ast.Attribute, ast.Subscript)):
+        expr = expr.value
+    return expr.id if isinstance(expr, ast.Name) else None
 
 
 def _walk_block(statements: list[ast.stmt]) -> Iterator[ast.stmt]:
