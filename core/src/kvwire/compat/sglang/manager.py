@@ -215,42 +215,36 @@ class KvwireManagerMixin(KvwireSendMixin):
     def _publish_peer_registration(self, mooncake_session_id: str, decode_kv_args: Any) -> Any:
         verdict = super()._publish_peer_registration(mooncake_session_id, decode_kv_args)  # type: ignore[misc]
         with self._kvwire_lock:
-            layout = self._kvwire_registered.pop(mooncake_session_id, None)
-        if layout is None:
-            log.error(
-                "kvwire: decode session %s registered without a kvwire layout (install kvwire-sglang on the "
-                "decode side and enable it: SGLANG_PLUGINS=kvwire); sends to it are refused",
-                mooncake_session_id,
-            )
-            self.kvwire_connection.remove_peer(mooncake_session_id)
-            return verdict
-        registered = [int(p) for p in decode_kv_args.dst_kv_ptrs]
-        published = [b.base for b in layout.buffers]
-        if registered != published:
-            log.error(
-                "kvwire: decode session %s published buffers at %s but registered dst_kv_ptrs %s with sglang; "
-                "sends to it are refused",
-                mooncake_session_id,
-                [hex(p) for p in published[:8]],
-                [hex(p) for p in registered[:8]],
-            )
-            self.kvwire_connection.remove_peer(mooncake_session_id)
-            return verdict
-        local = self.kvwire_layout
-        if layout.heads is None and local.heads is not None and layout.attention == "mha":
-            try:
-                heads = peer_heads(local.heads, layout)
-                layout = KVLayout(layout.buffers, layout.attn_tp_size, layout.attn_tp_rank, heads)
-            except KvwireError as exc:
-                log.error("kvwire: decode session %s: %s; sends to it are refused", mooncake_session_id, exc)
-                self.kvwire_connection.remove_peer(mooncake_session_id)
-                return verdict
+            published = self._kvwire_registered.pop(mooncake_session_id, None)
         try:
-            self.kvwire_connection.add_peer(mooncake_session_id, layout)
-        except KvwireError as exc:
-            log.error("kvwire: decode session %s cannot be added as a peer: %s", mooncake_session_id, exc)
+            self.kvwire_connection.add_peer(mooncake_session_id, self._kvwire_peer(published, decode_kv_args))
+        except KvwireError as exc:  # the decode stays unknown to kvwire (or is forgotten): its sends are refused
+            log.error("kvwire: decode session %s: %s; sends to it are refused", mooncake_session_id, exc)
             self.kvwire_connection.remove_peer(mooncake_session_id)
         return verdict
+
+    def _kvwire_peer(self, published: KVLayout | None, decode_kv_args: Any) -> KVLayout:
+        """The layout a decode published, checked against what it registered with sglang; LayoutError if unusable.
+
+        A decode rank that published no heads gets them derived as sglang does (:func:`peer_heads`).
+        """
+        if published is None:
+            raise LayoutError(
+                "registered without a kvwire layout (install kvwire-sglang on the decode side and enable it: "
+                "SGLANG_PLUGINS=kvwire)"
+            )
+        registered = [int(p) for p in decode_kv_args.dst_kv_ptrs]
+        bases = [b.base for b in published.buffers]
+        if registered != bases:
+            raise LayoutError(
+                f"published buffers at {[hex(p) for p in bases[:8]]} but registered dst_kv_ptrs "
+                f"{[hex(p) for p in registered[:8]]} with sglang"
+            )
+        local = self.kvwire_layout
+        if published.heads is None and local.heads is not None and published.attention == "mha":
+            heads = peer_heads(local.heads, published)
+            return KVLayout(published.buffers, published.attn_tp_size, published.attn_tp_rank, heads)
+        return published
 
     def teardown(self) -> None:
         try:
