@@ -11,7 +11,7 @@ checks of the peer that do not depend on the pages (``dst_kv_item_len``,
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Final
@@ -25,7 +25,7 @@ from kvwire.layout.kv_layout import KVLayout
 from kvwire.planning.head_slicing import Slicing, slicing_of, tp_mismatch
 from kvwire.planning.plan import frozen, readonly_const
 
-__all__ = ["Group", "Namer", "Pairing", "check_shape", "local_name", "pairing_of", "peer_name"]
+__all__ = ["Group", "Namer", "Pairing", "check_shape", "layer_id_list", "local_name", "pairing_of", "peer_name"]
 
 _I64 = np.int64
 
@@ -91,13 +91,24 @@ class Pairing:
     one_page: bool  # a one-page request may take the short path: one index set, whole pages
 
 
+def layer_id_list(name: str, value: object) -> list[int]:
+    """``value``, a sequence of layer ids, as a list of ints; InvalidTransferError naming ``name`` otherwise.
+
+    A mapping or a set has a length too, but no order: ``{0: 1}`` would be read as its keys.
+    """
+    unordered = isinstance(value, (str, bytes, Mapping, AbstractSet))
+    if unordered or not (isinstance(value, Sized) and isinstance(value, Iterable)):
+        raise InvalidTransferError(f"{name} must be a sequence of ints or None, got {type(value).__name__}")
+    ids = []
+    for i, d in enumerate(value):
+        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
+            raise InvalidTransferError(f"{name}[{i}] = {d!r:.50} must be an int, got {type(d).__name__}")
+        ids.append(int(d))
+    return ids
+
+
 def _check_layer_ids(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int]) -> dict[int, int]:
-    # a mapping or a set has a length too, but no order: {0: 1} would be read as its keys
-    if isinstance(dst_layer_ids, (str, bytes, Mapping, AbstractSet)) or not hasattr(dst_layer_ids, "__len__"):
-        raise InvalidTransferError(
-            f"dst_layer_ids must be a sequence of ints or None, got {type(dst_layer_ids).__name__}"
-        )
-    ids = list(dst_layer_ids)
+    ids = layer_id_list("dst_layer_ids", dst_layer_ids)
     if len(ids) != len(local.layers):
         raise InvalidTransferError(
             f"dst_layer_ids has {len(ids)} entries, expected {len(local.layers)} "
@@ -105,10 +116,7 @@ def _check_layer_ids(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[in
         )
     peer_layers = set(peer.layers)
     seen: dict[int, int] = {}
-    for i, d in enumerate(ids):
-        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
-            raise InvalidTransferError(f"dst_layer_ids[{i}] = {d!r} must be an int, got {type(d).__name__}")
-        layer = int(d)
+    for i, layer in enumerate(ids):
         if layer in seen:
             raise InvalidTransferError(
                 f"dst_layer_ids[{i}] = {layer} is a duplicate of dst_layer_ids[{seen[layer]}]: "
@@ -119,7 +127,7 @@ def _check_layer_ids(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[in
             raise InvalidTransferError(
                 f"dst_layer_ids[{i}] = {layer} is not a layer of the peer layout (peer layers: {sorted(peer_layers)})"
             )
-    return {layer: int(ids[i]) for i, layer in enumerate(local.layers)}
+    return {layer: ids[i] for i, layer in enumerate(local.layers)}
 
 
 def build_pairing(local: KVLayout, peer: KVLayout, dst_layer_ids: Sequence[int] | None) -> Pairing:

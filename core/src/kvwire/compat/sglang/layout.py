@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Sequence
 from typing import Literal
-
-import numpy as np
 
 from kvwire.errors import InvalidTransferError
 from kvwire.layout.buffers import HeadLayout, KVBuffer, LayoutError, MemoryKind, Role
 from kvwire.layout.kv_layout import KVLayout
+from kvwire.planning.pairing import layer_id_list
 
 __all__ = ["layer_ids_from_sglang", "layout_from_kv_args"]
 
@@ -27,13 +25,7 @@ def layer_ids_from_sglang(ids: Sequence[int] | None, name: str = "dst_layer_ids"
     """
     if ids is None:
         return None
-    if isinstance(ids, (str, bytes, Mapping, AbstractSet)) or not isinstance(ids, Iterable):  # no order to read
-        raise InvalidTransferError(f"{name} must be a sequence of ints or None, got {type(ids).__name__}")
-    values = []
-    for i, value in enumerate(ids):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise InvalidTransferError(f"{name}[{i}] = {value!r:.50} must be an int, got {type(value).__name__}")
-        values.append(int(value))
+    values = layer_id_list(name, ids)
     if not values:
         return None
     half = len(values) // 2
