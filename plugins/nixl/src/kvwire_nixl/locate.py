@@ -8,13 +8,10 @@ the wheel found.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import importlib
 import importlib.util
 import os
 import socket
-import struct
 import sys
 import warnings
 from pathlib import Path
@@ -31,7 +28,6 @@ MODULES: Final = ("nixl", "nixl_cu13", "nixl_cu12")
 WHEEL_MODULES: Final = ("nixl_cu13", "nixl_cu12")
 _INSTALL_HINT: Final = "pip install 'kvwire-nixl[cu12]' (or [cu13]), after a torch build of your choice"
 _UCX_PLUGIN: Final = "libplugin_UCX.so"
-_SIOCGIFADDR: Final = 0x8915  # linux/sockios.h: an interface's IPv4 address
 _LIB_DIRS: Final = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/lib64")
 
 
@@ -75,26 +71,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def interface_of(host: str) -> str | None:
-    """The network interface that holds IPv4 address ``host`` (a name is resolved first), or None.
-
-    None for a wildcard address, an address no interface holds, or where the lookup is
-    not possible: the caller then leaves UCX's choice of interfaces alone.
-    """
-    try:
-        address = socket.inet_aton(socket.gethostbyname(host))
-    except OSError:
-        return None
-    if address == bytes(4):
-        return None
-    for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe, contextlib.suppress(OSError):
-            request = struct.pack("256s", name.encode()[:15])
-            if fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)[20:24] == address:
-                return name
-    return None
-
-
 def efa_conflict() -> bool:
     """Whether the system has rdma-core's ``libefa.so.1``, which NIXL 1.5's UCX EFA module links unbundled.
 
@@ -124,7 +100,7 @@ def import_nixl(config: kvwire.BackendConfig) -> ModuleType:
     first = not any(name in sys.modules for name in MODULES)
     # Restricting UCX's network devices to one interface would also drop its RDMA devices (mlx5_0:1, ...), so
     # kvwire does it only for a loopback host, where no peer is on another machine anyway.
-    device = (interface_of(config.host) or "lo") if is_loopback(config.host) else None
+    device = "lo" if is_loopback(config.host) else None
     if config.process_settings:
         if device is not None:  # UCX's TCP listeners then bind there only, not on every interface
             os.environ.setdefault("UCX_NET_DEVICES", device)
