@@ -86,7 +86,9 @@ class Recorder11:
 
 
 class ReturnsStatus(Recorder):
-    """Returns a status code instead of raising: the bug the spec forbids."""
+    """Returns ``returns`` (a status code, a flag) instead of the bytes moved: the bug the spec forbids."""
+
+    returns: object = None
 
     @kvwire.hookimpl
     def send_kvcache(
@@ -101,4 +103,4 @@ class ReturnsStatus(Recorder):
         dst_kv_item_len: int | None = None,
         dst_attn_tp_size: int | None = None,
     ) -> int:
-        return None  # type: ignore[return-value]
+        return type(self).returns  # type: ignore[return-value]

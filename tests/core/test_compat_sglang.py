@@ -250,38 +250,33 @@ def _heads_args(pools: np.ndarray, kv_heads: int, total: int) -> SimpleNamespace
     return SimpleNamespace(page_size=4, kv_head_num=kv_heads, total_kv_head_num=total, kv_item_lens=[pools.shape[2]])
 
 
+def _tp_layout(pools: np.ndarray, kv_heads: int, tp: int, rank: int) -> KVLayout:
+    """One MHA layer (K and V host pools) of attention-TP rank ``rank`` of ``tp``, holding ``kv_heads`` of 2 heads."""
+    return layout_from_kv_args(
+        _ptrs(pools),
+        [pools[0].nbytes] * 2,
+        [pools.shape[2]] * 2,
+        [],
+        attention="mha",
+        memory="host",
+        attn_tp_size=tp,
+        attn_tp_rank=rank,
+        heads=heads_of_kv_args(_heads_args(pools, kv_heads, 2)),
+    )
+
+
 def test_send_kvcache_slice_moves_each_decode_ranks_heads_token_by_token() -> None:
     """Prefill TP 1 holds heads 0 and 1; decode TP 2 rank r holds head r. Pages of 4 tokens x heads x 16 bytes."""
     rng = np.random.default_rng(5)
     src = rng.integers(0, 256, (2, 8, 4 * 2 * 16), dtype=np.uint8)  # K and V of one layer
     dsts = [rng.integers(0, 256, (2, 8, 4 * 1 * 16), dtype=np.uint8) for _ in range(2)]
     before = [d.copy() for d in dsts]
-    local = layout_from_kv_args(
-        _ptrs(src),
-        [src[0].nbytes] * 2,
-        [src.shape[2]] * 2,
-        [],
-        attention="mha",
-        memory="host",
-        attn_tp_size=1,
-        attn_tp_rank=0,
-        heads=heads_of_kv_args(_heads_args(src, 2, 2)),
-    )
+    local = _tp_layout(src, 2, 1, 0)
     sender = kvwire.connect("local")
     sender.register_kv_buffers(local)
     manager, receivers = _Manager(sender), []
     for rank, dst in enumerate(dsts):
-        peer = layout_from_kv_args(
-            _ptrs(dst),
-            [dst[0].nbytes] * 2,
-            [dst.shape[2]] * 2,
-            [],
-            attention="mha",
-            memory="host",
-            attn_tp_size=2,
-            attn_tp_rank=rank,
-            heads=heads_of_kv_args(_heads_args(dst, 1, 2)),
-        )
+        peer = _tp_layout(dst, 1, 2, rank)
         receiver = kvwire.connect("local")
         receiver.register_kv_buffers(peer)
         sender.add_peer(receiver.endpoint(), peer)
@@ -311,30 +306,8 @@ def test_send_kvcache_slice_to_a_rank_the_decode_did_not_publish_is_refused(capl
     src = np.zeros((2, 8, 128), np.uint8)
     dst = np.ones((2, 8, 64), np.uint8)
     sender, receiver = kvwire.connect("local"), kvwire.connect("local")
-    sender.register_kv_buffers(
-        layout_from_kv_args(
-            _ptrs(src),
-            [1024] * 2,
-            [128] * 2,
-            [],
-            attention="mha",
-            memory="host",
-            attn_tp_size=1,
-            attn_tp_rank=0,
-            heads=heads_of_kv_args(_heads_args(src, 2, 2)),
-        )
-    )
-    peer = layout_from_kv_args(
-        _ptrs(dst),
-        [512] * 2,
-        [64] * 2,
-        [],
-        attention="mha",
-        memory="host",
-        attn_tp_size=2,
-        attn_tp_rank=1,
-        heads=heads_of_kv_args(_heads_args(dst, 1, 2)),
-    )
+    sender.register_kv_buffers(_tp_layout(src, 2, 1, 0))
+    peer = _tp_layout(dst, 1, 2, 1)
     receiver.register_kv_buffers(peer)
     sender.add_peer(receiver.endpoint(), peer)
     with caplog.at_level(logging.ERROR, logger="kvwire.compat.sglang"):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import textwrap
 import threading
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +23,7 @@ from kvwire.backends.local import LocalBackend, LocalTransport
 from kvwire.lint import lint_tree
 from kvwire.submit.pool import Submissions
 
-from backends_for_tests import Recorder
+from backends_for_tests import ReturnsStatus
 
 PAGES = 8
 PAGE_BYTES = 64
@@ -196,31 +196,10 @@ def test_a_native_transfer_whose_engine_future_is_cancelled_is_cancelled(
     assert future.cancelled()
 
 
-class ReturnsBool(Recorder):
-    """Returns ``returns`` (a bool) as the bytes moved: a status flag where the spec wants a byte count."""
-
-    returns = True
-
-    @kvwire.hookimpl
-    def send_kvcache(
-        self,
-        session_id: str,
-        prefill_kv_indices: NDArray[np.int32],
-        dst_kv_ptrs: Sequence[int],
-        dst_kv_indices: NDArray[np.int32],
-        executor: Executor | None,
-        dst_layer_ids: Sequence[int] | None = None,
-        dst_device_kv_indices: NDArray[np.int32] | None = None,
-        dst_kv_item_len: int | None = None,
-        dst_attn_tp_size: int | None = None,
-    ) -> int:
-        return type(self).returns
-
-
 @pytest.mark.parametrize("flag", [True, False])
 def test_a_bool_returned_as_bytes_moved_is_a_backend_error(flag: bool) -> None:
     registry = kvwire.Registry(allow=["local"], policy="strict")
-    registry.register("flag", type("ReturnsFlag", (ReturnsBool,), {"returns": flag}))
+    registry.register("flag", type("ReturnsFlag", (ReturnsStatus,), {"returns": flag}))
     layout = KVLayout((KVBuffer(4096, PAGE_BYTES, 16, 0, "kv"),))  # the recorder moves nothing: no memory needed
     with registry.connect("flag") as conn:
         conn.register_kv_buffers(layout)

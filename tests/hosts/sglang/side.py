@@ -210,6 +210,18 @@ class Scenario:
 _SRC, _DST = (2, 7, 8, 0), (9, 3, 4, 11)
 
 
+_KILLED = Scenario(
+    "killed-decode",
+    mla=False,
+    num_layers=2,
+    layer_ids=None,
+    src_pages=_SRC,
+    dst_pages=_DST,
+    decode_servers=2,
+    killed_decode=0,
+)
+
+
 def bench_scenario(name: str, moved: int, repeats: int) -> Scenario:
     """A throughput shape: 2 layers x K/V of pages of 32 tokens x 8 heads x 128 dims fp16 = 64 KiB.
 
@@ -263,29 +275,9 @@ SCENARIOS: dict[str, Scenario] = {
             "tp-2-1", mla=False, num_layers=2, layer_ids=None, src_pages=_SRC, dst_pages=_DST, prefill_tp=2, kv_heads=4
         ),
         # Two decode servers, two requests; the first decode is SIGKILLed after sending its metadata.
-        Scenario(
-            "killed-decode",
-            mla=False,
-            num_layers=2,
-            layer_ids=None,
-            src_pages=_SRC,
-            dst_pages=_DST,
-            decode_servers=2,
-            killed_decode=0,
-        ),
+        _KILLED,
         # The same, but the first decode dies after a first request to each decode succeeded.
-        Scenario(
-            "killed-decode-warm",
-            mla=False,
-            num_layers=2,
-            layer_ids=None,
-            src_pages=_SRC,
-            dst_pages=_DST,
-            decode_servers=2,
-            killed_decode=0,
-            killed_at_rep=1,
-            repeats=2,
-        ),
+        dataclasses.replace(_KILLED, name="killed-decode-warm", killed_at_rep=1, repeats=2),
         # Throughput shapes (bench/sglang_throughput.py): 16 MiB and 64 MiB per request.
         bench_scenario("throughput", moved=64, repeats=9),
         bench_scenario("throughput-256", moved=256, repeats=9),
