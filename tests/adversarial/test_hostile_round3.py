@@ -8,12 +8,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
 import pytest
+from numpy.typing import NDArray
 
 import kvwire
 from kvwire.compat.sglang import SglangSender
@@ -370,3 +371,95 @@ def test_lint_leaves_a_nested_class_whose_base_is_bound_in_the_enclosing_body(tm
         "    class Impl(Base):\n        def send(self, a):\n            pass\n"
     )
     assert lint_tree(tmp_path, ["send"]) == []
+
+
+# -- a backend call that never returns ----------------------------------------------------------------------
+
+
+def test_a_send_that_never_returns_fails_typed_within_the_deadline_and_other_peers_are_still_served() -> None:
+    """Leftover: a third-party backend whose send blocks forever hung the caller (timeout_s was not enforced)."""
+    from kvwire.backends.local import LocalBackend
+    from kvwire.connection.deadline import CALL_GRACE_S
+
+    release = threading.Event()
+    entered = threading.Event()
+
+    class Frozen(LocalBackend):
+        """The local backend, except that a send to the frozen peer blocks until the test releases it."""
+
+        frozen_peer = ""
+
+        @kvwire.hookimpl
+        def send_kvcache(
+            self,
+            session_id: str,
+            prefill_kv_indices: NDArray[np.int32],
+            dst_kv_ptrs: Sequence[int],
+            dst_kv_indices: NDArray[np.int32],
+            executor: Executor | None,
+            dst_layer_ids: Sequence[int] | None = None,
+            dst_device_kv_indices: NDArray[np.int32] | None = None,
+            dst_kv_item_len: int | None = None,
+            dst_attn_tp_size: int | None = None,
+        ) -> int:
+            if session_id == Frozen.frozen_peer:
+                entered.set()
+                release.wait(60)
+            return super().send_kvcache(
+                session_id,
+                prefill_kv_indices,
+                dst_kv_ptrs,
+                dst_kv_indices,
+                executor,
+                dst_layer_ids,
+                dst_device_kv_indices,
+                dst_kv_item_len,
+                dst_attn_tp_size,
+            )
+
+    registry = kvwire.Registry(allow=["frozen"], policy="strict")
+    registry.register("frozen", Frozen)
+    timeout_s = 0.3
+    src, dst, other = SPEC.allocate(1), SPEC.allocate(2), SPEC.allocate(3)
+    conn = registry.connect("frozen", kvwire.BackendConfig(timeout_s=timeout_s))
+    try:
+        with kvwire.connect("local") as frozen, kvwire.connect("local") as alive:
+            frozen.register_kv_buffers(dst.layout)
+            alive.register_kv_buffers(other.layout)
+            conn.register_kv_buffers(src.layout)
+            Frozen.frozen_peer = frozen.endpoint()
+            for peer, spec in ((frozen, dst), (alive, other)):
+                conn.add_peer(peer.endpoint(), spec.layout)
+            ids = np.arange(4, dtype=np.int32)
+            started = time.monotonic()
+            with pytest.raises(kvwire.TransferTimeoutError) as exc:
+                conn.send_kvcache(frozen.endpoint(), ids, [b.base for b in dst.layout.buffers], ids)
+            took = time.monotonic() - started
+            assert entered.is_set()
+            assert timeout_s + CALL_GRACE_S <= took < timeout_s + CALL_GRACE_S + 2.0
+            assert exc.value.peer == frozen.endpoint()
+            assert str(exc.value).startswith(
+                f"backend 'frozen': send_kvcache() did not return within {timeout_s + CALL_GRACE_S:g} s "
+                f"(timeout_s plus {CALL_GRACE_S:g} s grace); it keeps running on its own thread"
+            )
+            assert conn.state == "degraded"
+            (stuck,) = conn.stuck_calls
+            assert (stuck.hook, stuck.peer) == ("send_kvcache", frozen.endpoint())
+            assert "degraded" in repr(conn)
+            # The process keeps serving the other peer, on the same connection, meanwhile.
+            moved = conn.send_kvcache(alive.endpoint(), ids, [b.base for b in other.layout.buffers], ids)
+            assert moved == 4 * SPEC.page_bytes * len(src.views)
+            assert all(np.array_equal(there[:4], here[:4]) for there, here in zip(other.views, src.views))
+            # A submission through the core's pool ends the same way: its future fails typed.
+            future = conn.submit_kvcache(frozen.endpoint(), ids, [b.base for b in dst.layout.buffers], ids)
+            with pytest.raises(kvwire.TransferTimeoutError):
+                future.result(timeout=timeout_s + CALL_GRACE_S + 5)
+            release.set()  # the backend returns at last: the connection is whole again
+            deadline = time.monotonic() + 10
+            while conn.stuck_calls and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert conn.stuck_calls == () and conn.state == "open"
+    finally:
+        release.set()
+        conn.close()
+    assert conn.state == "closed"

@@ -24,6 +24,7 @@ from numpy.typing import NDArray
 
 from kvwire.config import BackendConfig
 from kvwire.connection.core_submit import CoreSubmit, on_executor
+from kvwire.connection.deadline import CALL_GRACE_S, CallThreads, StuckCall
 from kvwire.connection.guards import as_backend_error, backend_errors, check_middleware
 from kvwire.errors import BackendError, ConfigError, InvalidTransferError
 from kvwire.layout.kv_layout import KVLayout
@@ -40,6 +41,14 @@ from kvwire.submit.notifications import Notification, check_message
 from kvwire.submit.pool import Submissions
 
 __all__ = ["Connection"]
+
+
+def _dropped(hook: Any, calls: CallThreads) -> None:
+    """A connection dropped unclosed: close the backend here, without a deadline, and end the call threads."""
+    try:
+        hook.close()
+    finally:
+        calls.close()
 
 
 class Connection:
@@ -71,6 +80,7 @@ class Connection:
             self.backend: Any = cls(config)
         self._local: KVLayout | None = None
         self._peers = PeerTable()
+        self._calls = CallThreads(name, config.timeout_s + CALL_GRACE_S)
         self._submissions = Submissions(name)
         core = CoreSubmit(self._submissions, self._plan, self._send_inner, self._notify_inner)
         self._pm.register(core, name=f"{name}.core-submit")
@@ -89,7 +99,7 @@ class Connection:
         self._inner_send = self._pm.subset_hook_caller("send_kvcache", remove_plugins=inner)
         self._inner_notify = self._pm.subset_hook_caller("send_notification", remove_plugins=inner)
         # A dropped connection still unregisters its memory (stale registrations break later ones).
-        self._finalizer = weakref.finalize(self, self._hook.close)
+        self._finalizer = weakref.finalize(self, _dropped, self._hook, self._calls)
 
     def _check_open(self) -> None:
         if not self._finalizer.alive:
@@ -343,8 +353,26 @@ class Connection:
         return self._call_with(getattr(self._hook, hook), hook, **kwargs)
 
     def _call_with(self, caller: Any, hook: str, **kwargs: Any) -> Any:
+        """``caller(**kwargs)`` under the call deadline (:mod:`kvwire.connection.deadline`)."""
         with backend_errors(self.name, hook):
-            return caller(**kwargs)
+            return self._calls.call(hook, kwargs.get("session_id"), lambda: caller(**kwargs))
+
+    @property
+    def stuck_calls(self) -> tuple[StuckCall, ...]:
+        """Backend calls that outlived their deadline (``timeout_s`` + ``CALL_GRACE_S``) and still run.
+
+        Their callers got :class:`kvwire.TransferTimeoutError`; each leaves this
+        list when the backend returns. A non-empty list means the backend broke
+        its contract: the connection still serves other calls.
+        """
+        return self._calls.stuck
+
+    @property
+    def state(self) -> str:
+        """``"open"``, ``"degraded"`` (open, with :attr:`stuck_calls`) or ``"closed"``."""
+        if not self._finalizer.alive:
+            return "closed"
+        return "degraded" if self._calls.stuck else "open"
 
     def raw_write(self, session_id: str, plan: TransferPlan) -> None:
         """The backend's bare engine call on ``plan`` (capability ``raw_write``), for benchmarks.
@@ -357,7 +385,7 @@ class Connection:
         if not isinstance(plan, TransferPlan):
             raise ConfigError(f"plan must be a kvwire.TransferPlan, got {type(plan).__name__}")
         with backend_errors(self.name, "raw_write"):
-            self.backend.raw_write(session_id, plan)
+            self._calls.call("raw_write", session_id, lambda: self.backend.raw_write(session_id, plan))
 
     def close(self) -> None:
         """Close the backend (idempotent).
@@ -365,12 +393,18 @@ class Connection:
         Transfers submitted and not yet started are cancelled; running ones get
         up to ``timeout_s`` (plus a second) to end, each by its own deadline;
         then the backend is closed, and a backend must fail whatever of its own
-        is still running. Nothing submitted is left pending.
+        is still running. Nothing submitted is left pending. A backend ``close``
+        that does not return within the call deadline raises
+        :class:`kvwire.TransferTimeoutError`; the connection is closed anyway.
         """
         if self._finalizer.alive:
             self._submissions.drain(self.config.timeout_s + 1.0)
-        self._finalizer()
-        self._submissions.shutdown()
+        try:
+            if self._finalizer.detach() is not None:
+                self._call("close")
+        finally:
+            self._submissions.shutdown()
+            self._calls.close()
 
     def __enter__(self) -> Connection:
         return self
@@ -381,4 +415,4 @@ class Connection:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<kvwire.Connection backend={self.name!r} spec={self.spec_version} closed={not self._finalizer.alive}>"
+        return f"<kvwire.Connection backend={self.name!r} spec={self.spec_version} state={self.state}>"

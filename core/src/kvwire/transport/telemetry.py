@@ -12,15 +12,16 @@ middleware reads it without re-planning::
         record = telemetry.since(mark)  # None: the backend publishes no telemetry
         ...
 
-The record is per thread: a send runs its middleware and its backend on the
-caller's thread, so concurrent sends on other threads never mix. Publishing
+The record is per caller: a send runs its middleware and its backend in the
+caller's context (on a Connection's call thread, whose context changes return
+to the caller), so concurrent sends on other threads never mix. Publishing
 costs two clock reads and one small object per send.
 """
 
 from __future__ import annotations
 
-import threading
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Final
 
@@ -50,34 +51,31 @@ class SendRecord:
     transfer_s: float
 
 
-class _Last(threading.local):
-    def __init__(self) -> None:
-        self.seq = 0
-        self.record: SendRecord | None = None
-
-
-_last = _Last()
+# Context variables, not thread-locals: a Connection runs each backend call on a call
+# thread in a copy of the caller's context, and hands what the call set back to the caller.
+_SEQ: ContextVar[int] = ContextVar("kvwire_telemetry_seq", default=0)
+_RECORD: ContextVar[SendRecord | None] = ContextVar("kvwire_telemetry_record", default=None)
 
 
 def publish(session_id: str, plan: TransferPlan, started: float, planned: float) -> SendRecord:
     """Record a send that planned from ``started`` to ``planned`` (:func:`clock` values) and wrote until now."""
     done = clock()
     record = SendRecord(session_id, plan.nbytes, len(plan), plan.descriptors_before, planned - started, done - planned)
-    _last.seq += 1
-    _last.record = record
+    _SEQ.set(_SEQ.get() + 1)
+    _RECORD.set(record)
     return record
 
 
 def mark() -> int:
     """A marker of this thread's records so far; :func:`since` returns only what is published after it."""
-    return _last.seq
+    return _SEQ.get()
 
 
 def since(marker: int) -> SendRecord | None:
     """The last record published on this thread after ``marker``, or None."""
-    return _last.record if _last.seq > marker else None
+    return _RECORD.get() if _SEQ.get() > marker else None
 
 
 def last_send() -> SendRecord | None:
     """The last record published on this thread, or None."""
-    return _last.record
+    return _RECORD.get()
