@@ -149,6 +149,27 @@ def test_a_forgotten_peer_written_to_again_no_longer_counts(factory: Factory, re
         assert eng.recycles == 1
 
 
+def test_a_peer_found_dead_by_a_write_counts_as_forgotten_without_forget_peer(
+    factory: Factory, receivers: Receivers
+) -> None:
+    """Issue 23 leftover: a sender's connections grew over killed receivers when remove_peer was never called."""
+    from kvwire.errors import PeerUnreachableError
+
+    with MooncakeEngine(BackendConfig(timeout_s=2.0), engine_factory=factory) as eng:
+        src = np.ones(1 << 16, dtype=np.uint8)
+        eng.register(int(src.ctypes.data), src.nbytes)
+        for i in range(3):
+            session, addr = receivers.start()
+            _write(eng, src, session, addr)
+            receivers.engines[-1].close()  # the receiver dies; nobody calls forget_peer / remove_peer
+            with pytest.raises(PeerUnreachableError):
+                _write(eng, src, session, addr)
+            assert eng.recycles == (1 if i == 2 else 0)
+        session, addr = receivers.start()
+        _write(eng, src, session, addr)  # the fresh sender serves a live peer
+        assert receivers.buffers[-1][: DESCRIPTORS * PAGE].all()
+
+
 def test_a_host_engine_is_never_recycled(receivers: Receivers, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(wrapper, "RECYCLE_AFTER_FORGOTTEN", 1)
     host = HostMemoryEngine()

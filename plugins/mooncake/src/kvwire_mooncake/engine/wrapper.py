@@ -23,7 +23,7 @@ from numpy.typing import NDArray
 
 from kvwire import RegionSet
 from kvwire.config import BackendConfig
-from kvwire.errors import InvalidTransferError, TransferError
+from kvwire.errors import InvalidTransferError, PeerUnreachableError, TransferError
 from kvwire_mooncake.engine import failures, notify
 from kvwire_mooncake.engine.arrays import INT64_MAX, as_addresses, require_positive
 from kvwire_mooncake.engine.binding import (
@@ -310,6 +310,8 @@ class MooncakeEngine:
         if not failed:
             return
         error, renew = self._classify(session_id, failed, nbytes, allow_renew=True)
+        if isinstance(error, PeerUnreachableError):
+            self.forget_peer(session_id)  # dead: its pooled sockets count toward recycling, remove_peer or not
         if not renew:
             raise error
         try:
