@@ -463,3 +463,53 @@ def test_a_send_that_never_returns_fails_typed_within_the_deadline_and_other_pee
         release.set()
         conn.close()
     assert conn.state == "closed"
+
+
+def test_what_the_inbox_dropped_is_counted_in_metrics_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """Deliverable 2: the drops of every backend's bounded inbox reach kvwire_notifications_dropped_total."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from kvwire.metrics import Metrics
+    from kvwire.submit import MAX_UNPOLLED_NOTIFICATIONS
+
+    registry = prometheus_client.CollectorRegistry()
+    metrics = Metrics(registry)
+    src, dst = SPEC.allocate(1), SPEC.allocate(2)
+    with kvwire.connect("local") as sender, kvwire.connect("local", middleware=[metrics.middleware("local")]) as rx:
+        sender.register_kv_buffers(src.layout)
+        rx.register_kv_buffers(dst.layout)
+        sender.add_peer(rx.endpoint(), dst.layout)
+        for i in range(MAX_UNPOLLED_NOTIFICATIONS + 7):
+            sender.send_notification(rx.endpoint(), i.to_bytes(4, "big"))
+        with caplog.at_level("WARNING", logger="kvwire.notifications"):
+            got = rx.poll_notifications()
+        assert len(got) == MAX_UNPOLLED_NOTIFICATIONS
+        assert registry.get_sample_value("kvwire_notifications_dropped_total", {"backend": "local"}) == 7
+        assert registry.get_sample_value("kvwire_notifications_received_total", {"backend": "local"}) == len(got)
+        assert f"7 notification(s) dropped since the last poll: more than {MAX_UNPOLLED_NOTIFICATIONS}" in caplog.text
+        rx.poll_notifications()  # nothing new dropped: the counter stays
+        assert registry.get_sample_value("kvwire_notifications_dropped_total", {"backend": "local"}) == 7
+
+
+@pytest.mark.slow
+def test_a_mooncake_receiver_that_never_polls_is_drained_into_the_bounded_inbox() -> None:
+    """Defect 6 on Mooncake: the C++ engine kept every unpolled notification; kvwire now drains it into an Inbox."""
+    pytest.importorskip("mooncake")
+    from kvwire.submit import Inbox
+    from kvwire_mooncake.engine import MooncakeEngine
+
+    with MooncakeEngine(kvwire.BackendConfig(host="127.0.0.1")) as tx, MooncakeEngine(
+        kvwire.BackendConfig(host="127.0.0.1")
+    ) as rx:
+        buf = np.zeros(4096, dtype=np.uint8)
+        tx.register(int(buf.ctypes.data), buf.nbytes)
+        assert rx._received is not None
+        rx._received.inbox = Inbox(limit=50)  # the default bound (65,536) is the same code with a bigger number
+        for i in range(200):
+            tx.notify(rx.endpoint, i.to_bytes(4, "big") * 1024)
+        deadline = time.monotonic() + 30
+        while rx._received.inbox.dropped < 150 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the drainer runs without anyone polling
+        assert (len(rx._received.inbox), rx._received.inbox.dropped) == (50, 150)
+        got = rx.notifications()
+        assert [m for _, m in got] == [i.to_bytes(4, "big") * 1024 for i in range(150, 200)]
+        assert rx.notifications() == []

@@ -19,7 +19,9 @@ Exported (labels ``backend`` and ``peer``; ``error`` on failures):
 * ``kvwire_submit_requests_total``: the submissions among the sends
 * ``kvwire_notifications_sent_total``: ``send_notification`` calls, and submissions whose
   notification went out after their bytes; ``kvwire_notifications_received_total``
-  (``backend`` only): what ``poll_notifications`` returned
+  (``backend`` only): what ``poll_notifications`` returned;
+  ``kvwire_notifications_dropped_total`` (``backend`` only): what a receiver's bounded inbox
+  (:data:`kvwire.MAX_UNPOLLED_NOTIFICATIONS`) dropped unpolled, counted at the next poll
 * ``kvwire_send_descriptors_total``, ``kvwire_send_descriptors_before_coalescing_total``,
   ``kvwire_send_planning_seconds``, ``kvwire_send_transfer_seconds`` (``backend`` only):
   from :mod:`kvwire.transport.telemetry`, for backends that publish it (those built on
@@ -42,6 +44,7 @@ import numpy as np
 from kvwire.errors import BackendError, KvwireError
 from kvwire.process_wide import ProcessWide
 from kvwire.spec.pluggy_project import hookimpl
+from kvwire.submit import inbox
 from kvwire.transport import telemetry
 
 if TYPE_CHECKING:
@@ -110,6 +113,12 @@ class Metrics:
         self.notes_sent = prom.Counter("kvwire_notifications_sent", "Notifications sent", peer, **where)
         self.notes_received = prom.Counter(
             "kvwire_notifications_received", "Notifications polled", ["backend"], **where
+        )
+        self.notes_dropped = prom.Counter(
+            "kvwire_notifications_dropped",
+            "Notifications dropped unpolled: the receiver's inbox was full (the oldest go first)",
+            ["backend"],
+            **where,
         )
         self.max_peers = max_peers
         self._peers: set[str] = set()
@@ -215,9 +224,13 @@ class MetricsMiddleware:
 
     @hookimpl(wrapper=True)
     def poll_notifications(self) -> Generator[None, list[Any], list[Any]]:
+        marker = inbox.mark_poll()
         got = yield
         if isinstance(got, list):
             self.metrics.notes_received.labels(self.backend).inc(len(got))
+        record = inbox.poll_since(marker)
+        if record is not None and record.dropped:
+            self.metrics.notes_dropped.labels(self.backend).inc(record.dropped)
         return got
 
 

@@ -22,7 +22,8 @@ import weakref
 from kvwire.config import BackendConfig
 from kvwire.errors import PeerUnreachableError
 from kvwire.planning.plan import TransferPlan
-from kvwire.submit.notifications import Inbox, Notification
+from kvwire.submit.inbox import Inbox
+from kvwire.submit.notifications import Notification
 from kvwire.transport.backend import TransportBackend
 from kvwire.transport.interface import Transport
 from kvwire.transport.regions import RegionSet

@@ -7,6 +7,7 @@ from here, ``from kvwire.submit import run_into``.
 """
 
 from kvwire.submit.futures import fail_unstarted, queued_behind, run_into, start
-from kvwire.submit.notifications import MAX_UNPOLLED_NOTIFICATIONS, Inbox
+from kvwire.submit.inbox import Inbox, PollRecord
+from kvwire.submit.notifications import MAX_UNPOLLED_NOTIFICATIONS
 
-__all__ = ["MAX_UNPOLLED_NOTIFICATIONS", "Inbox", "fail_unstarted", "queued_behind", "run_into", "start"]
+__all__ = ["MAX_UNPOLLED_NOTIFICATIONS", "Inbox", "PollRecord", "fail_unstarted", "queued_behind", "run_into", "start"]

@@ -10,15 +10,12 @@ promise, the same for every backend.
 
 from __future__ import annotations
 
-import threading
-from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Final, Generic, TypeVar
+from typing import Final
 
 from kvwire.errors import InvalidTransferError
 
-__all__ = ["MAX_NOTIFICATION_BYTES", "MAX_UNPOLLED_NOTIFICATIONS", "Inbox", "Notification", "check_message"]
+__all__ = ["MAX_NOTIFICATION_BYTES", "MAX_UNPOLLED_NOTIFICATIONS", "Notification", "check_message"]
 
 #: The largest message a notification may carry: enough for a request id and a little state, small enough that
 #: every transport carries it in one control message.
@@ -26,8 +23,6 @@ MAX_NOTIFICATION_BYTES: Final = 4096
 #: How many notifications a receiving endpoint keeps until it polls: past it the oldest are dropped and counted
 #: (anyone who reaches the endpoint can send them; at the message limit this bounds the inbox to 256 MiB).
 MAX_UNPOLLED_NOTIFICATIONS: Final = 65536
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -50,33 +45,3 @@ def check_message(message: object, name: str = "notification") -> bytes:
             "(send an id, not the payload)"
         )
     return message
-
-
-class Inbox(Generic[T]):
-    """Notifications received and not yet polled, at most ``limit``: the oldest are dropped past it, and counted.
-
-    The one drop policy of every transport that keeps notifications for its next poll, so that a
-    peer flooding a receiver that never polls costs it a bounded amount of memory.
-    """
-
-    def __init__(self, limit: int = MAX_UNPOLLED_NOTIFICATIONS) -> None:
-        self._items: deque[T] = deque(maxlen=limit)
-        self._lock = threading.Lock()
-        self.dropped = 0
-
-    def extend(self, items: Iterable[T]) -> None:
-        with self._lock:
-            for item in items:
-                if len(self._items) == self._items.maxlen:
-                    self.dropped += 1
-                self._items.append(item)
-
-    def drain(self) -> list[T]:
-        """Everything kept, oldest first; the inbox is then empty."""
-        with self._lock:
-            out = list(self._items)
-            self._items.clear()
-        return out
-
-    def __len__(self) -> int:
-        return len(self._items)

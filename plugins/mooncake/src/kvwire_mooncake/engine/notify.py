@@ -10,24 +10,38 @@ were seen only after their data, in send order; ``msg`` is a JSON string, so
 non-UTF-8 bytes are mangled: kvwire sends ``kvwire1:`` + base64 and ignores
 anything else. A notification that fails to send is not reported (the call
 still returns 0): Mooncake offers no delivery receipt.
+
+The engine keeps what arrived, without limit, until ``get_notifies()``: so
+:class:`Received` drains it every :data:`DRAIN_INTERVAL_S` into a bounded
+:class:`kvwire.submit.Inbox`, and a receiver that never polls holds at most
+:data:`kvwire.submit.MAX_UNPOLLED_NOTIFICATIONS` (the oldest dropped, counted),
+as on every kvwire backend.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import logging
+import threading
+from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any, Final
 
 from kvwire import MAX_NOTIFICATION_BYTES
 from kvwire.errors import TransferError, TransferTimeoutError, UnsupportedFeatureError
+from kvwire.submit import Inbox
 from kvwire_mooncake.engine.slots import Slots
 from kvwire_mooncake.engine.workers import Workers
 
-__all__ = ["PREFIX", "decode", "deliver", "encode", "received", "send"]
+__all__ = ["DRAIN_INTERVAL_S", "PREFIX", "Received", "decode", "deliver", "encode", "received", "send"]
 
 #: Marks kvwire's messages among whatever else reaches the engine's notify queue.
 PREFIX: Final = "kvwire1:"
+#: Seconds between two drains of the engine's notify queue into the bounded inbox.
+DRAIN_INTERVAL_S: Final = 0.05
+
+_log = logging.getLogger(__name__)
 
 
 def _binding() -> Any:
@@ -107,3 +121,48 @@ def received(engine: Any) -> list[tuple[str, bytes]]:
         if message is not None and len(message) <= MAX_NOTIFICATION_BYTES:  # longer: not one kvwire sent
             out.append((name, message))
     return out
+
+
+class Received:
+    """The kvwire notifications an engine received, drained into a bounded inbox by a thread.
+
+    ``engine_of()`` is the receiving engine (None once closed). Only for an
+    engine kvwire owns: a host's engine may carry the host's own notifications,
+    which draining would take from it.
+    """
+
+    def __init__(self, engine_of: Callable[[], Any], name: str) -> None:
+        self.inbox: Inbox[tuple[str, bytes]] = Inbox()
+        self._engine_of = engine_of
+        self._lock = threading.Lock()  # one get_notifies at a time: arrival order is kept
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-notifications", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(DRAIN_INTERVAL_S):
+            try:
+                if not self.pull():
+                    return  # the engine is gone (closed, or its wrapper dropped)
+            except Exception:  # its binding failed: try again next time
+                _log.debug("draining Mooncake notifications failed", exc_info=True)
+
+    def pull(self) -> bool:
+        """Move what the engine received into the inbox; False when there is no engine any more."""
+        with self._lock:
+            engine = self._engine_of()
+            if engine is None:
+                return False
+            self.inbox.extend(received(engine))
+            return True
+
+    def take(self) -> list[tuple[str, bytes]]:
+        """Every notification received since the last call, oldest first."""
+        self.pull()
+        return self.inbox.drain()
+
+    def close(self) -> None:
+        """Stop draining (idempotent); waits for a drain in progress."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -98,6 +99,12 @@ class MooncakeEngine:
         self._endpoint = p2p_endpoint(config.host, port) if self._p2p else config.host
         self._workers = Workers(f"kvwire-mooncake-{port}")
         self._queues = PeerQueues(self._workers)
+        # A bounded inbox for an engine kvwire owns (a host's own notifications stay in a host's engine).
+        owned = self._factory is not None and hasattr(engine, "get_notifies")
+        slots = weakref.ref(self._slots)  # the drainer must not keep a dropped engine alive
+        self._received = (
+            notify.Received(lambda: (s := slots()) and s.primary.engine, f"kvwire-mooncake-{port}") if owned else None
+        )
         self._dispatch = Dispatcher(
             self._cond,
             self._slots,
@@ -229,6 +236,8 @@ class MooncakeEngine:
             if self._dispatch.closed:
                 return
             self._dispatch.close()  # writers waiting for budget give up now
+            if self._received is not None:
+                self._received.close()
             self._queues.close()  # submitted writes not started fail now
             try:
                 self.unregister_all()
@@ -347,6 +356,8 @@ class MooncakeEngine:
     def notifications(self) -> list[tuple[str, bytes]]:
         """``(sender endpoint, message)`` of each kvwire notification received since the last call."""
         self._check_open()
+        if self._received is not None:
+            return self._received.take()
         engine = self._slots.primary.engine
         return [] if engine is None else notify.received(engine)
 
