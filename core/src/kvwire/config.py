@@ -18,6 +18,7 @@ from kvwire.errors import ConfigError
 
 __all__ = ["BackendConfig"]
 
+
 @dataclass(frozen=True)
 class BackendConfig:
     """Settings shared by every backend; all fields have sane defaults.

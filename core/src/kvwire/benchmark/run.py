@@ -155,8 +155,11 @@ def _check_arguments(args: argparse.Namespace) -> None:
             f"--backend {args.backend}: the bench sends to a decode process, and backend {args.backend!r} only "
             f"reaches endpoints of its own process (it does not declare 'interprocess'); use one of {reaching}"
         )
-    wanted = [flag for flag, on in (("--compare-raw", args.compare_raw), ("--compare-uncoalesced",
-              args.compare_uncoalesced)) if on]
+    wanted = [
+        flag
+        for flag, on in (("--compare-raw", args.compare_raw), ("--compare-uncoalesced", args.compare_uncoalesced))
+        if on
+    ]
     if wanted and "raw_write" not in info.capabilities:
         raise ConfigError(
             f"{' and '.join(wanted)}: backend {args.backend!r} offers no raw engine call (capability 'raw_write')"
@@ -212,9 +215,7 @@ def run(args: argparse.Namespace) -> int:
             conn.add_peer(peer.endpoint, peer.layout)
             if args.inflight_requests is not None:
                 step = _Progress(2 * args.requests, not args.json).step
-                result = measure_inflight(
-                    args, conn, pool, peer.endpoint, peer.layout, pages_per_request, decode, step
-                )
+                result = measure_inflight(args, conn, pool, peer.endpoint, peer.layout, pages_per_request, decode, step)
             else:
                 result = _measure(args, conn, pool, peer.endpoint, peer.layout, pages_per_request, decode)
     finally:

@@ -39,7 +39,14 @@ from kvwire.workload.fragment import place, run_lengths
 from kvwire.workload.memory import KVMemory, allocate, digest
 
 __all__ = [
-    "add_tp_arguments", "check_tp_arguments", "expected_digest", "heads_of", "routed", "run_tp", "tp_rows", "uses_tp",
+    "add_tp_arguments",
+    "check_tp_arguments",
+    "expected_digest",
+    "heads_of",
+    "routed",
+    "run_tp",
+    "tp_rows",
+    "uses_tp",
 ]
 
 Row = tuple[str, str]
@@ -77,8 +84,9 @@ def check_tp_arguments(args: argparse.Namespace) -> None:
         raise ConfigError(f"--prefill-tp {p} and --decode-tp {d}: the larger TP size must be a multiple of the smaller")
     if args.peer:
         raise ConfigError("--peer: a remote decode side is one rank; use --prefill-tp 1 --decode-tp 1 with --peer")
-    wanted = [f for f, on in (("--compare-raw", args.compare_raw), ("--compare-uncoalesced", args.compare_uncoalesced))
-              if on]
+    wanted = [
+        f for f, on in (("--compare-raw", args.compare_raw), ("--compare-uncoalesced", args.compare_uncoalesced)) if on
+    ]
     if wanted:
         raise ConfigError(f"{' and '.join(wanted)}: single-rank only (--prefill-tp 1 --decode-tp 1)")
 
@@ -222,8 +230,11 @@ def _measure(
             after += len(plan)
         # (decode ranks, expected digests) checked after each mode
         modes: list[tuple[str, list[tuple[_Decode, str]], list[tuple[_Prefill, _Decode]]]] = [
-            ("tp", [(dec, expected_digest(preset, pools, len(decodes), d, src64)) for d, dec in enumerate(decodes)],
-             pairs),
+            (
+                "tp",
+                [(dec, expected_digest(preset, pools, len(decodes), d, src64)) for d, dec in enumerate(decodes)],
+                pairs,
+            ),
         ]
         if same is not None:
             same_after += len(plan_transfer(same[0].pool.layout, same[1].peer.layout, src, same[1].ptrs, dst))
@@ -264,13 +275,20 @@ def tp_rows(r: dict[str, Any]) -> tuple[list[Row], list[Row]]:
     """Table rows of a TP run: (after the backend row, at the end); none for a single-rank run."""
     if "rank_pairs" not in r:
         return [], []
-    head = [("attention TP", f"prefill {r['prefill_tp']} -> decode {r['decode_tp']}, "
-             f"{r['rank_pairs']} rank pairs per request (sent one after another, timed together)")]
+    head = [
+        (
+            "attention TP",
+            f"prefill {r['prefill_tp']} -> decode {r['decode_tp']}, "
+            f"{r['rank_pairs']} rank pairs per request (sent one after another, timed together)",
+        )
+    ]
     tail = []
     if "same_tp_gbps" in r:
-        tail.append((
-            "same TP (1 -> 1)",
-            f"{r['same_tp_gbps']:.3f} GB/s, {r['same_tp_descriptors']} descriptors/request   "
-            f"(TP/same-TP = {r['tp_ratio']:.3f}, median per request)",
-        ))
+        tail.append(
+            (
+                "same TP (1 -> 1)",
+                f"{r['same_tp_gbps']:.3f} GB/s, {r['same_tp_descriptors']} descriptors/request   "
+                f"(TP/same-TP = {r['tp_ratio']:.3f}, median per request)",
+            )
+        )
     return head, tail

@@ -125,16 +125,20 @@ class Channel:
         if len(self._partial) > self.max_line:
             raise self._too_long(bytes(self._partial[:60]))
         if self._queued + len(self._partial) > self.max_buffered:
-            raise self._poison(ControlProtocolError(
-                f"{self.label} flooded the channel: {self._queued + len(self._partial)} bytes of unread lines, "
-                f"over the limit of {self.max_buffered}"
-            ))
+            raise self._poison(
+                ControlProtocolError(
+                    f"{self.label} flooded the channel: {self._queued + len(self._partial)} bytes of unread lines, "
+                    f"over the limit of {self.max_buffered}"
+                )
+            )
 
     def _too_long(self, head: bytes) -> ControlError:
-        return self._poison(ControlProtocolError(
-            f"{self.label} sent a line over {self.max_line} bytes (no newline within the limit), "
-            f"starting {preview(head)}"
-        ))
+        return self._poison(
+            ControlProtocolError(
+                f"{self.label} sent a line over {self.max_line} bytes (no newline within the limit), "
+                f"starting {preview(head)}"
+            )
+        )
 
     def _fill(self, deadline: float) -> None:
         """Wait up to one slice for bytes from the child and take them; raises when the channel ends."""
@@ -163,10 +167,12 @@ class Channel:
             self._fill(deadline)  # at least one look, even with no time left
             if not self._lines and time.monotonic() >= deadline:
                 if self._partial:
-                    raise self._poison(ControlTimeoutError(
-                        f"{self.label} stalled in the middle of a line: {len(self._partial)} bytes and no newline "
-                        f"within {wait:g} s: {preview(bytes(self._partial))}"
-                    ))
+                    raise self._poison(
+                        ControlTimeoutError(
+                            f"{self.label} stalled in the middle of a line: {len(self._partial)} bytes and no newline "
+                            f"within {wait:g} s: {preview(bytes(self._partial))}"
+                        )
+                    )
                 raise ControlTimeoutError(f"{self.label} did not answer within {wait:g} s")
         line = self._lines.popleft()
         self._queued -= len(line)
@@ -197,9 +203,11 @@ class Channel:
                 raise self._send_failed(exc) from None
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise self._poison(ControlTimeoutError(
-                    f"{self.label} did not read its input within {wait:g} s ({sent} of {len(data)} bytes sent)"
-                ))
+                raise self._poison(
+                    ControlTimeoutError(
+                        f"{self.label} did not read its input within {wait:g} s ({sent} of {len(data)} bytes sent)"
+                    )
+                )
             self._writable.poll(int(min(remaining, _SLICE_S) * 1000) + 1)
 
     def request(self, message: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:

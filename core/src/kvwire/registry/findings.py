@@ -24,6 +24,7 @@ Rule = Literal[
     "transport-class",
 ]
 
+
 @dataclass(frozen=True)
 class BackendOrigin:
     """Where a backend comes from: its name, distribution, version and entry point."""

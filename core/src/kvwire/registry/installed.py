@@ -22,6 +22,7 @@ CORE: Final = "kvwire"
 #: Entry-point group of install checks: ``name = "module:function"``, a function returning a message or None.
 INSTALL_CHECK_GROUP: Final = "kvwire.install_checks"
 
+
 def _normalise(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 

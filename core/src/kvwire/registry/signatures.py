@@ -56,7 +56,6 @@ class Issue:
     defined_in: str | None = None  # the parent class the hook is inherited from (None: this class)
 
 
-
 def impl_parameters(func: Callable[..., Any], is_method: bool) -> tuple[list[inspect.Parameter], str]:
     sig = inspect.signature(func)
     params = list(sig.parameters.values())
@@ -87,7 +86,6 @@ def format_signature(params: Sequence[inspect.Parameter], returns: object) -> st
             parts.append("/")
     tail = "" if returns is EMPTY else f" -> {format_annotation(returns)}"
     return f"({', '.join(parts)}){tail}"
-
 
 
 def compare_annotation(spec_ann: object, spec_text: str, impl_ann: object, func: Callable[..., Any]) -> str | None:

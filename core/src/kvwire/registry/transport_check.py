@@ -156,8 +156,7 @@ def check_transport(cls: type, version: SpecVersion, capabilities: frozenset[str
                     Issue(
                         label,
                         "missing-method",
-                        f"declares {needed[name]!r} but its transport {tcls.__qualname__} does not implement "
-                        f"`{name}`",
+                        f"declares {needed[name]!r} but its transport {tcls.__qualname__} does not implement `{name}`",
                         f"add `def {with_self(spec.signature_text())}` to {tcls.__qualname__}, "
                         f"or drop {needed[name]!r} from capabilities",
                         spec.signature_text(),

@@ -49,7 +49,6 @@ class ValidationResult:
     findings: tuple[Finding, ...]
 
 
-
 def _lookup(cls: type, name: str) -> tuple[Callable[..., Any] | None, bool]:
     """The hook function ``name`` of ``cls`` and whether it takes ``self``."""
     static = inspect.getattr_static(cls, name, None)
@@ -64,7 +63,6 @@ def _lookup(cls: type, name: str) -> tuple[Callable[..., Any] | None, bool]:
 
 def _is_marked(func: object) -> bool:
     return getattr(func, IMPL_ATTR, None) is not None
-
 
 
 def _check_constructor(cls: type) -> list[Issue]:

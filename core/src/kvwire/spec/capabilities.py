@@ -38,6 +38,7 @@ _OTHER_FEATURES: Mapping[str, str] = {
     "raw_write": "offers Connection.raw_write: the bare engine call on a plan (benchmarks compare against it)",
 }
 
+
 def _hook_features() -> dict[str, str]:
     hooks: dict[str, list[str]] = {}
     for release in SPEC_HISTORY:
@@ -118,4 +119,3 @@ def refuse_lacking(backend: str, declared: frozenset[str], used: Iterable[str], 
         f"backend {backend} does not support {', '.join(map(repr, lacking))}, needed for {needed_for}; "
         f"nothing was sent{hint}"
     )
-

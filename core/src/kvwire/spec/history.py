@@ -154,9 +154,7 @@ SPEC_HISTORY: tuple[SpecRelease, ...] = (
                 "native non-blocking sends; without it the core runs send_kvcache on a worker pool",
                 "submit",
             ),
-            OptionalHook(
-                "send_notification", "notifications", "short messages delivered after the data", "notify"
-            ),
+            OptionalHook("send_notification", "notifications", "short messages delivered after the data", "notify"),
             OptionalHook(
                 "poll_notifications",
                 "notifications",

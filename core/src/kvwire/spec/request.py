@@ -72,7 +72,6 @@ class TransferRequest:
         return parameters_for(features)
 
 
-
 _REQUEST_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(TransferRequest))
 
 

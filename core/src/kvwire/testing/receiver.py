@@ -233,6 +233,7 @@ def run_receiver(backend: str, spec_json: str, seed: int, config_json: str = "{}
         reply({"error": f"{type(exc).__name__}: {exc}"})
         return 1
     reply(PeerDescription(receiver.endpoint, receiver.layout).to_dict())
+
     def start_watch(request: dict[str, Any]) -> dict[str, Any]:
         receiver.start_watch({bytes.fromhex(m): ids for m, ids in request["pages"].items()})
         return {"ok": True}

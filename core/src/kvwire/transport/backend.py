@@ -141,6 +141,7 @@ class TransportBackend(ABC):
         future = TransferFuture(session_id, plan.nbytes, len(plan))
         if len(plan):
             return follow(future, self.transport.submit(session_id, plan, notification), lambda _: plan.nbytes)
+
         def notify_only() -> int:  # nothing to write: the notification alone, here and now
             if notification is not None:
                 self.transport.notify(session_id, notification)

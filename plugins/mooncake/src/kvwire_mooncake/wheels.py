@@ -31,8 +31,6 @@ _NON_CUDA = "mooncake-transfer-engine-non-cuda"
 _NPU = "mooncake-transfer-engine-npu"
 
 
-
-
 def _normalise(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
