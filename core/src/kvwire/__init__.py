@@ -10,6 +10,7 @@ validated against the spec when it loads.
 
 from kvwire.config import BackendConfig
 from kvwire.connection.connection import Connection
+from kvwire.connection.deadline import CALL_GRACE_S, StuckCall
 from kvwire.errors import (
     BackendDriftError,
     BackendError,
@@ -51,6 +52,7 @@ from kvwire.transport.regions import RegionSet
 __version__ = core_version()  # from the installed metadata: pyproject.toml is the one source
 
 __all__ = [
+    "CALL_GRACE_S",
     "ENTRY_POINT_GROUP",
     "FEATURES",
     "MAX_NOTIFICATION_BYTES",
@@ -84,6 +86,7 @@ __all__ = [
     "RegionSet",
     "Registry",
     "SpecVersion",
+    "StuckCall",
     "TransferError",
     "TransferFuture",
     "TransferPlan",
