@@ -274,3 +274,24 @@ def test_bench_json_verifies_every_byte() -> None:
     assert (result["verified"], result["guards_unchanged"]) == (True, True)
     assert result["bytes"] == 3 * 64 * 16384 * 28 * 2
     assert {"gbps", "raw_gbps", "ratio", "uncoalesced_gbps"} <= set(result)
+
+
+def test_a_receiver_that_never_polls_keeps_at_most_its_inbox_bound_the_oldest_dropped() -> None:
+    """Issue 23, deliverable 2 on NIXL: the progress thread drains NIXL into the bounded kvwire.submit.Inbox."""
+    from kvwire.submit import Inbox
+
+    memory, source = SPEC.allocate(1), SPEC.allocate(2)
+    with kvwire.connect("nixl") as receiver, kvwire.connect("nixl") as sender:
+        receiver.register_kv_buffers(memory.layout)
+        sender.register_kv_buffers(source.layout)
+        sender.add_peer(receiver.endpoint(), memory.layout)
+        state = receiver.backend.transport.agent._state
+        state.inbox = Inbox(limit=50)  # the default bound (65,536) is the same code with a bigger number
+        for i in range(200):
+            sender.send_notification(receiver.endpoint(), i.to_bytes(4, "big") * 1024)
+        deadline = time.monotonic() + 30
+        while state.inbox.dropped < 150 and time.monotonic() < deadline:
+            time.sleep(0.01)  # nobody polls: the progress thread drains
+        assert (len(state.inbox), state.inbox.dropped) == (50, 150)
+        got = receiver.poll_notifications()
+        assert [n.message for n in got] == [i.to_bytes(4, "big") * 1024 for i in range(150, 200)]

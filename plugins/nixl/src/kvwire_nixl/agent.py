@@ -63,9 +63,6 @@ def agent_name() -> str:
     return f"kvwire-{host}-{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
 
 
-#: Notifications kept for the next poll at most (about 256 MiB at the largest message size).
-
-
 class _State:
     """What the progress thread and the finalizer hold (never the NixlAgent, so that it can be collected)."""
 
