@@ -9,12 +9,12 @@ import kvwire
 
 SOURCE = Path(kvwire.__file__).parent
 PUBLIC = [
-    "ENTRY_POINT_GROUP", "FEATURES", "MAX_NOTIFICATION_BYTES", "SPEC_HISTORY", "SPEC_VERSION",
+    "CALL_GRACE_S", "ENTRY_POINT_GROUP", "FEATURES", "MAX_NOTIFICATION_BYTES", "SPEC_HISTORY", "SPEC_VERSION",
     "Arrival", "BackendConfig", "BackendDriftError", "BackendError", "BackendImportError", "BackendInfo",
     "BackendLoadError", "BackendProtocol", "BackendSpec", "BackendUnavailableError", "ConfigError", "Connection",
     "DuplicateBackendError", "Finding", "HeadLayout", "InvalidTransferError", "KVBuffer", "KVLayout", "KvwireError",
     "LayoutError", "Notification", "NotificationWatcher", "PeerDescription", "PeerUnreachableError", "RawWriter",
-    "RegionSet", "Registry", "SpecVersion", "TransferError", "TransferFuture", "TransferPlan", "TransferRequest",
+    "RegionSet", "Registry", "SpecVersion", "StuckCall", "TransferError", "TransferFuture", "TransferPlan", "TransferRequest",
     "TransferTimeoutError", "Transport", "TransportBackend", "UnsupportedFeatureError", "ValidationResult",
     "__version__", "connect", "default_registry", "hookimpl", "hookspec", "plan_transfer", "register_backend",
     "validate_backend",

@@ -277,3 +277,50 @@ def test_a_churn_of_hundreds_of_peers_with_forget_peer_keeps_sockets_bounded(mon
         assert eng.recycles >= peers // threshold - 2
         endpoint = eng.endpoint
     assert endpoint.startswith("127.0.0.1:")
+
+
+def test_peers_that_died_unannounced_are_swept_and_count_as_forgotten(
+    factory: Factory, receivers: Receivers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 23 leftover: a receiver killed and never written to again kept its sockets until close()."""
+    with MooncakeEngine(BackendConfig(), engine_factory=factory) as eng:
+        src = np.ones(1 << 16, dtype=np.uint8)
+        eng.register(int(src.ctypes.data), src.nbytes)
+        alive, alive_addr = receivers.start()
+        _write(eng, src, alive, alive_addr)
+        dead = []
+        for _ in range(2):
+            session, addr = receivers.start()
+            _write(eng, src, session, addr)
+            receivers.engines[-1].close()  # dies; nobody tells the sender, nobody writes to it again
+            dead.append(session)
+        assert eng.sweep_dead_peers() == sorted(dead)  # the live one is left alone
+        assert eng.sweep_dead_peers() == [] and eng.recycles == 0
+        session, addr = receivers.start()
+        _write(eng, src, session, addr)
+        receivers.engines[-1].close()
+        assert eng.sweep_dead_peers() == [session] and eng.recycles == 1  # the third forgotten: recycled
+        _write(eng, src, alive, alive_addr)  # the live peer, through the fresh sender
+
+
+def test_the_sweeper_thread_runs_the_sweep_until_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from kvwire_mooncake.engine.sweep import Sweeper
+
+    class Counting:
+        def __init__(self) -> None:
+            self.calls = 0
+            self.swept = threading.Event()
+
+        def sweep(self) -> None:
+            self.calls += 1
+            if self.calls == 3:
+                self.swept.set()
+
+    counting = Counting()
+    sweeper = Sweeper(counting.sweep, "test", interval_s=0.01)
+    assert counting.swept.wait(10)
+    sweeper.close()
+    calls = counting.calls
+    assert not sweeper._thread.is_alive() and counting.calls == calls

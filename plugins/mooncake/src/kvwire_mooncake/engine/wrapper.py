@@ -25,7 +25,7 @@ from numpy.typing import NDArray
 from kvwire import RegionSet
 from kvwire.config import BackendConfig
 from kvwire.errors import InvalidTransferError, PeerUnreachableError, TransferError
-from kvwire_mooncake.engine import failures, notify
+from kvwire_mooncake.engine import failures, notify, sweep
 from kvwire_mooncake.engine.arrays import INT64_MAX, as_addresses, require_positive
 from kvwire_mooncake.engine.binding import (
     P2P_HANDSHAKE,
@@ -99,12 +99,6 @@ class MooncakeEngine:
         self._endpoint = p2p_endpoint(config.host, port) if self._p2p else config.host
         self._workers = Workers(f"kvwire-mooncake-{port}")
         self._queues = PeerQueues(self._workers)
-        # A bounded inbox for an engine kvwire owns (a host's own notifications stay in a host's engine).
-        owned = self._factory is not None and hasattr(engine, "get_notifies")
-        slots = weakref.ref(self._slots)  # the drainer must not keep a dropped engine alive
-        self._received = (
-            notify.Received(lambda: (s := slots()) and s.primary.engine, f"kvwire-mooncake-{port}") if owned else None
-        )
         self._dispatch = Dispatcher(
             self._cond,
             self._slots,
@@ -112,6 +106,16 @@ class MooncakeEngine:
             timeout_s=config.timeout_s,
             max_inflight=self.options.max_inflight_per_peer,
         )
+        owned = self._factory is not None  # a host's engine is the host's to drain and to prune
+        # A bounded inbox, drained from the engine (a host's own notifications stay in a host's engine).
+        slots = weakref.ref(self._slots)  # the threads must not keep a dropped engine alive
+        self._received = (
+            notify.Received(lambda: (s := slots()) and s.primary.engine, f"kvwire-mooncake-{port}")
+            if owned and hasattr(engine, "get_notifies")
+            else None
+        )
+        # Peers that died unannounced are found and forgotten (their connections count toward recycling).
+        self._sweeper = sweep.Sweeper(self.sweep_dead_peers, f"kvwire-mooncake-{port}") if owned else None
 
     @property
     def endpoint(self) -> str:
@@ -214,6 +218,27 @@ class MooncakeEngine:
                 self._install_fresh_sender(self._factory, "recycling the sending Mooncake engine")
                 self._recycles += 1
 
+    def sweep_dead_peers(self) -> list[str]:
+        """Probe each peer the sending engine wrote to and did not forget; forget those that refuse (:mod:`.sweep`).
+
+        Returns the peers forgotten. A peer that does not answer within
+        ``sweep.PROBE_WAIT_S`` is left alone: frozen is not dead.
+        """
+        with self._lock:
+            if self._dispatch.closed:
+                return []
+            sender = self._slots.sender
+            peers = sorted(sender.succeeded - sender.forgotten)
+        dead = []
+        for session_id in peers:
+            supported, code = failures.probe(self._slots, self._workers, session_id, sweep.PROBE_WAIT_S)
+            if not supported:
+                break
+            if code is not None and code != 0:
+                self.forget_peer(session_id)
+                dead.append(session_id)
+        return dead
+
     @contextmanager
     def borrow(self) -> Iterator[TransferEngineLike]:
         """The current sending engine itself, pinned for the block (never destroyed under it).
@@ -236,8 +261,9 @@ class MooncakeEngine:
             if self._dispatch.closed:
                 return
             self._dispatch.close()  # writers waiting for budget give up now
-            if self._received is not None:
-                self._received.close()
+            for thread in (self._received, self._sweeper):
+                if thread is not None:
+                    thread.close()
             self._queues.close()  # submitted writes not started fail now
             try:
                 self.unregister_all()
