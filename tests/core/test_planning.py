@@ -16,6 +16,7 @@ from kvwire.layout.kv_layout import KVLayout
 from kvwire.planning import planner as planning
 from kvwire.planning.plan import TransferPlan
 from kvwire.planning.planner import plan_transfer
+from kvwire.workload.fragment import place, run_lengths
 
 
 def idx(*values: int, dtype: Any = np.int32) -> NDArray[Any]:
@@ -858,6 +859,38 @@ def test_a_dropped_plan_s_memory_is_reused() -> None:
     del first
     second = plan_transfer(local, peer, idx(2, 6, 10), ptrs(peer), idx(2, 3, 8))
     assert second.src.ctypes.data == address
+
+
+def test_big_pooled_plans_of_changing_shapes_stay_independent() -> None:
+    """Plans of thousands of descriptors (pooled slabs), made one after another, shapes growing and shrinking.
+
+    Each plan is checked against a copy taken when it was made, after every
+    later plan, and against per-page descriptors computed here, so a slab (or
+    any scratch) handed out while a plan still uses it fails the test.
+    """
+    layers = list(range(8))
+    local, peer = mha(layers, 1 << 30, page_bytes=256, pages=4096), mha(layers, 1 << 40, page_bytes=256, pages=4096)
+    rng = np.random.default_rng(24)
+    held: list[tuple[TransferPlan, list[NDArray[np.int64]]]] = []
+    for pages, run in ((2048, 4), (300, 1), (4000, 16), (2048, 4), (64, 2), (3000, 1), (1, 1), (2048, 4)):
+        lengths = run_lengths(rng, pages, run)  # fragmented on both sides, as a serving engine's pools are
+        src, dst = place(rng, lengths, 4096).astype(np.int32), place(rng, lengths, 4096).astype(np.int32)
+        plan = plan_transfer(local, peer, src, ptrs(peer), dst)
+        per_page = sorted(
+            (b.base + s * 256, peer.buffers[i].base + d * 256, 256)
+            for i, b in enumerate(local.buffers)
+            for s, d in zip(src.tolist(), dst.tolist(), strict=True)
+        )
+        covered = sorted(
+            (s + k, d + k, 256) for s, d, n in triples(plan) for k in range(0, n, 256)
+        )  # a coalesced descriptor, split back into pages
+        assert covered == per_page
+        held.append((plan, [a.copy() for a in (plan.src, plan.dst, plan.length)]))
+        for earlier, kept in held:
+            for got, want in zip((earlier.src, earlier.dst, earlier.length), kept, strict=True):
+                np.testing.assert_array_equal(got, want)
+        if len(held) > 3:  # drop the oldest: its slab may be reused by the next plan, never a live one's
+            del held[0]
 
 
 def test_plan_arrays_cannot_be_made_writeable_when_shared() -> None:

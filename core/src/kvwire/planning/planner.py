@@ -259,4 +259,3 @@ def plan_request(request: TransferRequest, local: KVLayout, peer: KVLayout, *, c
     )
     request.__dict__["_plan_memo"] = (key, plan)  # frozen fields stay as they are; this is a cache
     return plan
-
