@@ -40,6 +40,8 @@ _lock = threading.RLock()
 class LocalTransport(Transport):
     """memmove between registered regions of endpoints in this process."""
 
+    staged_writes = True  # one memmove per descriptor: fewer, larger ones pay
+
     def __init__(self) -> None:
         self.regions = RegionSet()
         self._inbox: Inbox[Notification] = Inbox()

@@ -39,6 +39,7 @@ from kvwire.submit.futures import TransferFuture, follow, run_into
 from kvwire.submit.notifications import Notification
 from kvwire.transport import telemetry
 from kvwire.transport.interface import RawWriter, Transport
+from kvwire.transport.staging import Staging, gather_of
 
 __all__ = ["TransportBackend"]
 
@@ -57,6 +58,8 @@ class TransportBackend(ABC):
         self._local: KVLayout | None = None
         self._closed = False
         self._peers = PeerTable()
+        # Many small slices with contiguous destinations go through a staging buffer (kvwire.transport.staging).
+        self._staging = Staging(self.transport) if getattr(self.transport, "staged_writes", False) else None
 
     @abstractmethod
     def open_transport(self, config: BackendConfig) -> Transport:
@@ -125,7 +128,11 @@ class TransportBackend(ABC):
         plan = plan_request(request, local, peer)
         planned = telemetry.clock()
         if len(plan):
-            self.transport.write(session_id, plan)
+            gather = gather_of(plan, local) if self._staging is not None else None
+            if gather is not None and self._staging is not None:
+                self._staging.write(session_id, gather)
+            else:
+                self.transport.write(session_id, plan)
         telemetry.publish(session_id, plan, started, planned)
         return plan.nbytes
 
@@ -165,6 +172,13 @@ class TransportBackend(ABC):
     def close(self) -> None:
         with self._lock:
             self._closed = True  # before the layout goes: a send racing close() is told so, not blamed
+        try:
+            if self._staging is not None:
+                self._staging.close()
+        finally:
+            self._close_transport()
+
+    def _close_transport(self) -> None:
         try:
             self.transport.close()
         finally:

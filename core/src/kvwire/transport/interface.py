@@ -28,7 +28,16 @@ class Transport(ABC):
     The base calls them only with checked input: ``register_memory`` with a
     layout buffer's range, ``write`` with a non-empty plan whose every range lies
     inside the local layout and the peer's published layout.
+
+    ``staged_writes`` (default False): a plan of many small slices whose
+    destinations are contiguous (head slices across attention-TP sizes) is
+    gathered into a staging buffer the base registers through
+    :meth:`register_memory`, and written in whole destination runs
+    (:mod:`kvwire.transport.staging`). A transport sets it True when one large
+    descriptor costs it less than many small ones, as every network engine's does.
     """
+
+    staged_writes: bool = False
 
     @property
     @abstractmethod

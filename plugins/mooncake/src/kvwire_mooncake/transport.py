@@ -22,6 +22,8 @@ __all__ = ["MooncakeTransport"]
 class MooncakeTransport(Transport):
     """Registers and writes through one :class:`MooncakeEngine`; offers the raw extension."""
 
+    staged_writes = True  # ~25 µs per descriptor over TCP: head slices go through a staging buffer
+
     def __init__(self, config: BackendConfig, *, engine_factory: Callable[[], Any] | None = None) -> None:
         self.engine = MooncakeEngine(config, engine_factory=engine_factory)
 

@@ -38,6 +38,8 @@ class _Peer:
 class NixlTransport(kvwire.Transport):
     """Registers, publishes and writes through one :class:`NixlAgent`; offers the raw extension."""
 
+    staged_writes = True  # head slices go through a staging buffer: one descriptor per destination run
+
     def __init__(self, config: kvwire.BackendConfig) -> None:
         self.config = config
         self.options = NixlOptions.from_config(config)
