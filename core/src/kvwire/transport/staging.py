@@ -20,14 +20,16 @@ descriptors as destination runs (whole pages, coalesced).
 
 The staging buffer (:data:`STAGING_BYTES`) is allocated and registered on the
 first staged send, reused by every later one (one at a time: concurrent staged
-sends on one backend take turns) and unregistered at close; a plan larger than
-it is gathered and written in chunks.
+sends on one backend take turns) and unregistered at close. A plan goes in
+chunks of half the buffer: one half is written while the next chunk is
+gathered into the other.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Final
 
@@ -104,31 +106,53 @@ class Staging:
         self._nbytes = nbytes
         self._lock = threading.Lock()
         self._buffer: NDArray[np.uint8] | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self._closed = False
 
     def _ensure(self) -> NDArray[np.uint8]:
         if self._buffer is None:
             buffer = np.empty(self._nbytes, dtype=np.uint8)
+            buffer.fill(0)  # fault every page in now, not in the first gather
             self._transport.register_memory(int(buffer.ctypes.data), buffer.nbytes)
             self._buffer = buffer
         return self._buffer
 
     def write(self, session_id: str, gather: Gather) -> None:
-        """Gather and write ``gather.plan`` through the staging buffer, in chunks that fit it."""
+        """Gather and write ``gather.plan`` through the staging buffer, in chunks that fit half of it.
+
+        The halves alternate: while one half's chunk is being written (on the
+        staging's writer thread), the next chunk is gathered into the other.
+        """
         with self._lock:
             if self._closed:
                 raise RuntimeError("staging is closed")
             buffer = self._ensure()
             item = gather.item
-            per_chunk = max(1, buffer.nbytes // item)
-            staged = buffer[: per_chunk * item].view(np.dtype((np.void, item)))
-            base = int(buffer.ctypes.data)
+            per_chunk = max(1, buffer.nbytes // 2 // item)
+            halves = [buffer[h * per_chunk * item : (h + 1) * per_chunk * item] for h in (0, 1)]
             sources = [_items(b, s, item) for b, s in gather.buffers]
             n = len(gather.plan)
-            for a in range(0, n, per_chunk):
-                b = min(n, a + per_chunk)
-                self._gather(gather, sources, staged, a, b)
-                self._transport.write(session_id, self._staged_plan(gather, base, a, b))
+            writing: Future[None] | None = None
+            try:
+                for k, a in enumerate(range(0, n, per_chunk)):
+                    b = min(n, a + per_chunk)
+                    half = halves[k % 2]
+                    self._gather(gather, sources, half.view(np.dtype((np.void, item))), a, b)
+                    plan = self._staged_plan(gather, int(half.ctypes.data), a, b)
+                    if writing is not None:
+                        writing.result()  # the other half is free again (and a failure stops here)
+                    writing = self._writer().submit(self._transport.write, session_id, plan)
+                if writing is not None:
+                    writing.result()
+            except BaseException:
+                if writing is not None:
+                    wait([writing])  # never leave a write reading a half the next send overwrites
+                raise
+
+    def _writer(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvwire-staging")
+        return self._pool
 
     @staticmethod
     def _gather(gather: Gather, sources: list[NDArray[np.void]], staged: NDArray[np.void], a: int, b: int) -> None:
@@ -163,5 +187,8 @@ class Staging:
         with self._lock:
             self._closed = True
             buffer, self._buffer = self._buffer, None
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown()
         if buffer is not None:
             self._transport.unregister_memory(int(buffer.ctypes.data))
