@@ -54,7 +54,7 @@ class Gather:
 
     plan: TransferPlan
     item: int  # L: every descriptor's length
-    buffers: tuple[tuple[int, int], ...]  # (base, nbytes) of the local host buffers the sources are in
+    buffers: tuple[tuple[int, int], ...]  # (base, nbytes) of the local buffers, by address
     blocks: NDArray[np.int64]  # (k + 1,) descriptor positions where the source buffer changes, then len(plan)
     block_buffer: NDArray[np.int64]  # (k,) index into ``buffers`` of each block
     index: NDArray[np.int64]  # (n,) (src - buffer base) // item of each descriptor
@@ -75,20 +75,23 @@ def gather_of(plan: TransferPlan, local: KVLayout) -> Gather | None:
     np.not_equal(dst[1:], dst[:-1] + item, out=run_start[1:])
     if int(np.count_nonzero(run_start)) * MIN_GAIN > n:
         return None
-    host = sorted((b.base, b.nbytes) for b in local.buffers if b.memory == "host")
-    if not host:
-        return None
-    bases = np.array([b for b, _ in host], dtype=np.int64)
-    ends = bases + np.array([s for _, s in host], dtype=np.int64)
+    # The planner checked that every source lies inside one local buffer: find which, then require host memory.
+    table = sorted((b.base, b.nbytes, b.memory == "host") for b in local.buffers)
+    bases = np.array([t[0] for t in table], dtype=np.int64)
     which = np.searchsorted(bases, plan.src, side="right") - 1
-    if which.min() < 0 or (plan.src + item > ends[which]).any():
-        return None  # a source outside the local host buffers (device memory: no host gather)
-    offset = plan.src - bases[which]
-    if (offset % item).any():
-        return None
     changes = np.flatnonzero(which[1:] != which[:-1]) + 1
     blocks = np.concatenate(([0], changes, [n])).astype(np.int64)
-    return Gather(plan, item, tuple(host), blocks, which[blocks[:-1]], offset // item, run_start)
+    block_buffer = which[blocks[:-1]]
+    if block_buffer.min() < 0 or not all(table[int(k)][2] for k in np.unique(block_buffer)):
+        return None  # a source in device memory (no host gather), or outside the layout
+    index = plan.src.copy()
+    for lo, hi, k in zip(blocks[:-1].tolist(), blocks[1:].tolist(), block_buffer.tolist()):
+        index[lo:hi] -= table[k][0]
+    if (index % item).any():
+        return None
+    index //= item
+    buffers = tuple((t[0], t[1]) for t in table)
+    return Gather(plan, item, buffers, blocks, block_buffer.astype(np.int64), index, run_start)
 
 
 def _items(base: int, nbytes: int, item: int) -> NDArray[np.void]:
