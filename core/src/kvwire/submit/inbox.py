@@ -13,10 +13,10 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Iterable
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from kvwire.records import LastRecord
 from kvwire.submit.notifications import MAX_UNPOLLED_NOTIFICATIONS
 
 __all__ = ["Inbox", "PollRecord", "mark_poll", "poll_since"]
@@ -33,26 +33,22 @@ class PollRecord:
     dropped: int
 
 
-_POLL_SEQ: ContextVar[int] = ContextVar("kvwire_poll_seq", default=0)
-_POLL: ContextVar[PollRecord | None] = ContextVar("kvwire_poll_record", default=None)
+_polls: LastRecord[PollRecord] = LastRecord("kvwire_poll")  # per caller (see kvwire.records)
 
 
 def publish_poll(received: int, dropped: int) -> PollRecord:
     """Record a drain that returned ``received`` notifications, ``dropped`` having been lost since the last."""
-    record = PollRecord(received, dropped)
-    _POLL_SEQ.set(_POLL_SEQ.get() + 1)
-    _POLL.set(record)
-    return record
+    return _polls.publish(PollRecord(received, dropped))
 
 
 def mark_poll() -> int:
     """A marker of this caller's poll records so far (see :func:`poll_since`)."""
-    return _POLL_SEQ.get()
+    return _polls.mark()
 
 
 def poll_since(marker: int) -> PollRecord | None:
     """The last poll record published after ``marker``, or None (the backend keeps no bounded inbox)."""
-    return _POLL.get() if _POLL_SEQ.get() > marker else None
+    return _polls.since(marker)
 
 
 class Inbox(Generic[T]):

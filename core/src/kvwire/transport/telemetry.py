@@ -21,11 +21,11 @@ costs two clock reads and one small object per send.
 from __future__ import annotations
 
 import time
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Final
 
 from kvwire.planning.plan import TransferPlan
+from kvwire.records import LastRecord
 
 __all__ = ["SendRecord", "clock", "last_send", "mark", "publish", "since"]
 
@@ -51,31 +51,26 @@ class SendRecord:
     transfer_s: float
 
 
-# Context variables, not thread-locals: a Connection runs each backend call on a call
-# thread in a copy of the caller's context, and hands what the call set back to the caller.
-_SEQ: ContextVar[int] = ContextVar("kvwire_telemetry_seq", default=0)
-_RECORD: ContextVar[SendRecord | None] = ContextVar("kvwire_telemetry_record", default=None)
+_sends: LastRecord[SendRecord] = LastRecord("kvwire_telemetry")  # per caller (see kvwire.records)
 
 
 def publish(session_id: str, plan: TransferPlan, started: float, planned: float) -> SendRecord:
     """Record a send that planned from ``started`` to ``planned`` (:func:`clock` values) and wrote until now."""
     done = clock()
     record = SendRecord(session_id, plan.nbytes, len(plan), plan.descriptors_before, planned - started, done - planned)
-    _SEQ.set(_SEQ.get() + 1)
-    _RECORD.set(record)
-    return record
+    return _sends.publish(record)
 
 
 def mark() -> int:
     """A marker of this thread's records so far; :func:`since` returns only what is published after it."""
-    return _SEQ.get()
+    return _sends.mark()
 
 
 def since(marker: int) -> SendRecord | None:
     """The last record published on this thread after ``marker``, or None."""
-    return _RECORD.get() if _SEQ.get() > marker else None
+    return _sends.since(marker)
 
 
 def last_send() -> SendRecord | None:
     """The last record published on this thread, or None."""
-    return _RECORD.get()
+    return _sends.last()
