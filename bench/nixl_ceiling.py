@@ -10,8 +10,18 @@ as many threads at once: the ceiling for kvwire-nixl's ``streams``. Medians of
 when torch is installed, like the bench's (``--backing numpy``: anonymous
 mappings advised to use transparent huge pages).
 
+``--with-nixl`` also runs the main job, ``kvwire bench --backend nixl --json``
+with the same preset, requests, tokens, mean run and seed (a subprocess; it
+builds the very same plans: the same pools, the same random stream, the same
+planner, checked by its descriptor counts; not for split presets, whose decode
+side the bench also gives device pages), ``--rounds`` times, alternating
+with the memcpy passes (memcpy, nixl, memcpy, nixl, ...) so that the load of a
+shared machine falls on both alike, and prints the medians and the ratio
+kvwire-nixl / 2-thread memcpy (also the median of the per-round ratios).
+``--option KEY=VALUE`` is passed on to ``kvwire bench`` (e.g. ``streams=3``).
+
     python bench/nixl_ceiling.py [--preset llama3-8b] [--requests 8] [--tokens 4096] [--threads 2] [--backing auto]
-                                 [--json]
+                                 [--with-nixl [--rounds 5] [--option KEY=VALUE ...]] [--json]
 """
 
 from __future__ import annotations
@@ -20,6 +30,8 @@ import argparse
 import itertools
 import json
 import statistics
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -60,6 +72,20 @@ def _slices(plan: kvwire.TransferPlan, k: int) -> list[slice]:
     return [slice(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
 
 
+def _nixl_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """One ``kvwire bench --backend nixl --json`` run with this run's preset, sizes and seed."""
+    command = [sys.executable, "-m", "kvwire", "bench", "--backend", "nixl", "--preset", args.preset]
+    command += ["--requests", str(args.requests), "--tokens", str(args.tokens), "--mean-run", str(args.mean_run)]
+    command += ["--seed", str(args.seed), "--json"]
+    for option in args.option:
+        command += ["--option", option]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"kvwire bench failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+    result: dict[str, Any] = json.loads(done.stdout[done.stdout.index("{") :])
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="llama3-8b")
@@ -72,6 +98,9 @@ def main() -> int:
     parser.add_argument(
         "--backing", choices=("auto", "numpy", "torch"), default="auto", help="pool memory, as kvwire bench's (auto)"
     )
+    parser.add_argument("--with-nixl", action="store_true", help="also run kvwire bench --backend nixl, alternating")
+    parser.add_argument("--rounds", type=int, default=5, help="--with-nixl: memcpy/nixl rounds (default 5)")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="for kvwire bench")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -85,30 +114,54 @@ def main() -> int:
     rng = np.random.default_rng(args.seed + 7)
     ptrs = [b.base for b in dst.layout.buffers]
     plans = []
+    before = 0
     for _ in range(args.requests):
         lengths = run_lengths(rng, pages, args.mean_run)
         s = place(rng, lengths, pool_pages).astype(np.int32)
         d = place(rng, lengths, pool_pages).astype(np.int32)
         plans.append(kvwire.plan_transfer(src.layout, dst.layout, s, ptrs, d))
+        before += plans[-1].descriptors_before
     nbytes = sum(p.nbytes for p in plans)
     block_src, block_dst = np.ones(plans[0].nbytes, np.uint8), np.zeros(plans[0].nbytes, np.uint8)
     np.copyto(block_dst, block_src)  # fault every page in before timing
 
-    fragmented, contiguous, parallel = [], [], []
+    fragmented, contiguous, parallel, nixl, ratios = [], [], [], [], []
     pool = ThreadPoolExecutor(max(1, args.threads))
-    for _ in range(args.repeat):
-        start = time.perf_counter()
-        for plan in plans:
-            _copy(plan, src, dst)
-        fragmented.append(nbytes / (time.perf_counter() - start) / 1e9)
-        start = time.perf_counter()
-        for plan in plans:
-            list(pool.map(lambda rows, plan=plan: _copy(plan, src, dst, rows), _slices(plan, max(1, args.threads))))
-        parallel.append(nbytes / (time.perf_counter() - start) / 1e9)
-        start = time.perf_counter()
-        for _ in plans:
-            np.copyto(block_dst, block_src)
-        contiguous.append(block_src.nbytes * len(plans) / (time.perf_counter() - start) / 1e9)
+    rounds = args.rounds if args.with_nixl else 1
+    bench: dict[str, Any] = {}
+    for _ in range(rounds):
+        passes = []
+        for _ in range(args.repeat):
+            start = time.perf_counter()
+            for plan in plans:
+                _copy(plan, src, dst)
+            fragmented.append(nbytes / (time.perf_counter() - start) / 1e9)
+            start = time.perf_counter()
+            for plan in plans:
+                list(pool.map(lambda rows, plan=plan: _copy(plan, src, dst, rows), _slices(plan, max(1, args.threads))))
+            passes.append(nbytes / (time.perf_counter() - start) / 1e9)
+            start = time.perf_counter()
+            for _ in plans:
+                np.copyto(block_dst, block_src)
+            contiguous.append(block_src.nbytes * len(plans) / (time.perf_counter() - start) / 1e9)
+        parallel += passes
+        if args.with_nixl:
+            bench = _nixl_bench(args)
+            if (bench["descriptors_before"], bench["descriptors_after"]) != (
+                before // len(plans),
+                sum(len(p) for p in plans) // len(plans),
+            ):
+                raise SystemExit(f"kvwire bench planned other descriptors: {bench}")
+            if not (bench["verified"] and bench["guards_unchanged"]):
+                raise SystemExit(f"kvwire bench did not verify: {bench}")
+            nixl.append(float(bench["gbps"]))
+            ratios.append(nixl[-1] / statistics.median(passes))
+            if not args.json:
+                print(
+                    f"  round {len(nixl)}: memcpy 2 threads {statistics.median(passes):.3f} GB/s, "
+                    f"kvwire-nixl {nixl[-1]:.3f} GB/s (p50 {bench['p50_ms']} ms), ratio {ratios[-1]:.3f}",
+                    file=sys.stderr,
+                )
     result: dict[str, Any] = {
         "preset": preset.name,
         "backing": src.backing,
@@ -120,15 +173,34 @@ def main() -> int:
         "threads": args.threads,
         "memcpy_descriptors_threads_gbps": round(statistics.median(parallel), 3),
     }
+    if args.with_nixl:
+        result.update(
+            rounds=rounds,
+            options=args.option,
+            nixl_gbps=round(statistics.median(nixl), 3),
+            nixl_gbps_rounds=[round(x, 3) for x in nixl],
+            memcpy_threads_gbps_rounds=[round(x, 3) for x in parallel],
+            ratio=round(statistics.median(nixl) / statistics.median(parallel), 3),
+            ratio_per_round=round(statistics.median(ratios), 3),
+        )
     pool.shutdown()
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"one-process numpy copy, {preset.name} ({src.backing} pools), {args.requests} x {args.tokens} tokens "
-              f"({result['bytes_per_request'] / 2**20:.0f} MiB, {result['descriptors_per_request']} descriptors each)")
+        print(
+            f"one-process numpy copy, {preset.name} ({src.backing} pools), {args.requests} x {args.tokens} tokens "
+            f"({result['bytes_per_request'] / 2**20:.0f} MiB, {result['descriptors_per_request']} descriptors each)"
+        )
         print(f"  same descriptors   {result['memcpy_descriptors_gbps']:7.3f} GB/s")
         print(f"  one block          {result['memcpy_contiguous_gbps']:7.3f} GB/s")
         print(f"  same, {args.threads} threads   {result['memcpy_descriptors_threads_gbps']:7.3f} GB/s")
+        if args.with_nixl:
+            options = f", options {' '.join(args.option)}" if args.option else ""
+            print(f"  kvwire-nixl        {result['nixl_gbps']:7.3f} GB/s   (kvwire bench --backend nixl{options})")
+            print(
+                f"  kvwire-nixl / {args.threads} threads = {result['ratio']:.3f} "
+                f"(medians, {rounds} alternating rounds; per-round median {result['ratio_per_round']:.3f})"
+            )
     return 0
 
 
