@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
@@ -98,6 +99,32 @@ class BackendConfig:
         if unknown:
             raise ConfigError(f"BackendConfig: unknown field(s) {unknown}; known: {sorted(known)}")
         return cls(**dict(data))
+
+    @classmethod
+    def from_sources(
+        cls,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+        **overrides: Any,
+    ) -> BackendConfig:
+        """A config from a file, the environment and arguments (docs/configuration.md).
+
+        Precedence, highest first: ``overrides`` (a None value counts as not
+        given) > ``KVWIRE_*`` variables of ``env`` (default ``os.environ``) >
+        the TOML or JSON file at ``path`` (default ``$KVWIRE_CONFIG``) > the
+        defaults; ``options`` merge key by key in that order. A bad key or
+        value is a :class:`ConfigError` naming it and where it was set.
+        """
+        from kvwire.settings.sources import gather
+
+        base = cls()
+        defaults = {f.name: getattr(base, f.name) for f in fields(cls)}
+        gathered = gather(defaults, path, os.environ if env is None else env, overrides)
+        try:
+            return cls(**gathered.values)
+        except ConfigError as exc:
+            raise ConfigError(gathered.explain(str(exc))) from None
 
     def option(self, key: str, default: object = None) -> object:
         """A backend-specific option, or ``default``."""

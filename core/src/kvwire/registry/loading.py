@@ -10,18 +10,37 @@ that merely looked at it.
 from __future__ import annotations
 
 import difflib
+import importlib
 import logging
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Literal
 
+from kvwire.errors import ConfigError
 from kvwire.registry.findings import BackendOrigin, Finding
 from kvwire.registry.validator import Status, validate_backend
 
-__all__ = ["BackendInfo", "Phase", "dist_of", "did_you_mean", "load_backend", "module_of"]
+__all__ = [
+    "MODULE_PATH_DISTRIBUTION",
+    "BackendInfo",
+    "Phase",
+    "dist_of",
+    "did_you_mean",
+    "is_module_path",
+    "load_backend",
+    "load_module_path",
+    "module_of",
+    "split_module_path",
+]
 
 log = logging.getLogger("kvwire")
+
+#: The ``distribution`` of a backend loaded by ``module.path:ClassName`` (no distribution installed it).
+MODULE_PATH_DISTRIBUTION = "loaded by module path"
+_DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+_MODULE_PATH = re.compile(rf"({_DOTTED}):({_DOTTED})")
 
 #: What a load is doing: reported by the isolated child so a hang or a crash names its phase.
 Phase = Literal["import", "validate", "availability"]
@@ -235,3 +254,57 @@ def validated(name: str, cls: Any, origin: BackendOrigin, phase: Callable[[Phase
             "kvwire: backend %r drifts from the spec:\n%s", name, "\n".join(f.render() for f in result.findings)
         )
     return info
+
+
+def is_module_path(name: str) -> bool:
+    """Whether a backend name is a ``module.path:ClassName`` (entry-point names have no colon)."""
+    return ":" in name
+
+
+def split_module_path(name: str) -> tuple[str, str]:
+    """``("module.path", "ClassName")``, or a ConfigError saying how to write one."""
+    match = _MODULE_PATH.fullmatch(name)
+    if match is None:
+        raise ConfigError(
+            f"backend {name!r} is not a valid module path: write module.path:ClassName "
+            "(dotted Python names, one colon), or an installed backend's name"
+        )
+    return match.group(1), match.group(2)
+
+
+def load_module_path(name: str, phase: Callable[[Phase], None] = _no_phase) -> BackendInfo:
+    """Import ``module.path:ClassName`` and validate the class as :func:`load_backend` does an entry point.
+
+    Never raises for a bad backend: an import that raises, or a missing
+    attribute, is an ``import-error`` whose error says which.
+    """
+    try:
+        module_name, attr = split_module_path(name)
+    except ConfigError as exc:  # an allow-listed name scanned: reported, not raised
+        return BackendInfo(name, MODULE_PATH_DISTRIBUTION, None, name, "import-error", error=str(exc))
+    phase("import")
+    try:
+        module = importlib.import_module(module_name)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # as for an entry point: the process goes on
+        log.warning("kvwire: backend module %r failed to import: %r", module_name, exc)
+        error = f"importing module {module_name!r} raised {_raised(exc, 'at import')}"
+        return BackendInfo(name, MODULE_PATH_DISTRIBUTION, None, name, "import-error", error=error)
+    where = getattr(module, "__file__", None)
+    version = f"from {where}" if where else "from a module without a file"
+    obj: Any = module
+    for i, part in enumerate(attr.split(".")):
+        owner = ".".join([module_name, *attr.split(".")[:i]])
+        try:
+            obj = getattr(obj, part)
+        except KeyboardInterrupt:
+            raise
+        except AttributeError:
+            hint = did_you_mean(part, [n for n in dir(obj) if not n.startswith("_")])
+            error = f"module {module_name!r} imported, but {owner!r} has no attribute {part!r}{hint}"
+            return BackendInfo(name, MODULE_PATH_DISTRIBUTION, version, name, "import-error", error=error)
+        except BaseException as exc:  # a module __getattr__ that raises
+            error = f"getting {part!r} from {owner!r} raised {_raised(exc, 'at import')}"
+            return BackendInfo(name, MODULE_PATH_DISTRIBUTION, version, name, "import-error", error=error)
+    return validated(name, obj, BackendOrigin(name, MODULE_PATH_DISTRIBUTION, version, name), phase)

@@ -10,6 +10,11 @@ error); every imported class goes through the validator. The policy decides
 what drift means: ``strict`` makes it a start-up error, ``quarantine`` leaves
 the drifted backend out, loudly. An allow-list naming a backend that is not
 installed is an error, with the closest installed name suggested.
+
+A name of the form ``module.path:ClassName`` is a backend no distribution
+installed: its module is imported when it is asked for, with the same isolation
+and the same validator. When an allow-list is set it must name that exact
+string (docs/configuration.md).
 """
 
 from __future__ import annotations
@@ -34,7 +39,18 @@ from kvwire.errors import (
 )
 from kvwire.process_wide import ProcessWide
 from kvwire.registry.findings import BackendOrigin
-from kvwire.registry.loading import BackendInfo, did_you_mean, dist_of, load_backend, module_of, validated
+from kvwire.registry.loading import (
+    MODULE_PATH_DISTRIBUTION,
+    BackendInfo,
+    did_you_mean,
+    dist_of,
+    is_module_path,
+    load_backend,
+    load_module_path,
+    module_of,
+    split_module_path,
+    validated,
+)
 from kvwire.spec.capabilities import FEATURE_DISTRIBUTIONS, FEATURES
 from kvwire.spec.pluggy_project import ENTRY_POINT_GROUP
 
@@ -108,6 +124,8 @@ class Registry:
         allow: backend names that may be imported (None: ``$KVWIRE_BACKENDS``,
             or every installed backend when that is unset or empty). Naming a
             backend that is not installed makes :meth:`get` and :meth:`load` fail.
+            A ``module.path:ClassName`` backend is allowed only by its exact
+            string when an allow-list is set (and always when none is).
         policy: ``"strict"`` (drift raises :class:`BackendDriftError` at load) or
             ``"quarantine"`` (drifted backends are left out and logged).
             None: ``$KVWIRE_POLICY``, default ``strict``.
@@ -132,6 +150,7 @@ class Registry:
         self._catalog: dict[str, Entry] | None = None
         self._loaded: dict[str, BackendInfo] = {}
         self._runtime: dict[str, BackendInfo] = {}
+        self._paths: dict[str, BackendInfo] = {}  # module-path backends, by their module.path:ClassName
         self._lock = threading.RLock()
 
     # -- discovery -----------------------------------------------------------
@@ -173,10 +192,10 @@ class Registry:
         return BackendInfo(name, ", ".join(dists), None, ", ".join(ep.value for ep in eps), "duplicate", error=message)
 
     def unknown_allowed(self) -> list[str]:
-        """Names in the allow-list that are neither installed nor registered at runtime."""
+        """Names in the allow-list that are neither installed nor registered at runtime (module paths aside)."""
         if self.allow is None:
             return []
-        return sorted(self.allow - set(self.entries()) - set(self._runtime))
+        return sorted(n for n in self.allow - set(self.entries()) - set(self._runtime) if not is_module_path(n))
 
     def _check_allow_list(self) -> None:
         unknown = self.unknown_allowed()
@@ -198,7 +217,25 @@ class Registry:
         """
         with self._lock:
             infos = [self._resolve(name, entry) for name, entry in self.entries().items()]
-            return infos + list(self._runtime.values())
+            paths = set(self._paths) | {n for n in self.allow or () if is_module_path(n)}
+            return infos + list(self._runtime.values()) + [self._load_path(n) for n in sorted(paths)]
+
+    def _load_path(self, name: str) -> BackendInfo:
+        if name not in self._paths:
+            self._paths[name] = load_module_path(name)
+        return self._paths[name]
+
+    def _module_path(self, name: str) -> BackendInfo:
+        """A ``module.path:ClassName`` backend, imported once if the allow-list lets it."""
+        split_module_path(name)  # a malformed name is the caller's mistake: ConfigError
+        if self.allow is not None and name not in self.allow:
+            listed = ", ".join(sorted(self.allow)) or "empty"
+            raise BackendLoadError(
+                f"module-path backend {name!r} is not allowed: the allow-list ({self.allow_source}: {listed}) does "
+                f"not name it; add the exact string {name!r} to {self.allow_source}, or leave the allow-list unset"
+            )
+        self._check_allow_list()
+        return self._load_path(name)
 
     def load(self) -> list[BackendInfo]:
         """:meth:`scan`, then apply the policy: under ``strict`` any drift raises.
@@ -257,6 +294,8 @@ class Registry:
             elif name in entries:
                 self._check_allow_list()
                 info = self._resolve(name, entries[name])
+            elif is_module_path(name):
+                info = self._module_path(name)
             else:
                 hint = did_you_mean(name, [*entries, *self._runtime])
                 raise BackendLoadError(f"backend {name!r} is not installed{hint}. {self._listing()}")
@@ -264,6 +303,11 @@ class Registry:
                 return info
             if info.status == "drift" and self.policy == "strict":
                 raise BackendDriftError(info.findings)
+            if info.status == "import-error" and info.distribution == MODULE_PATH_DISTRIBUTION:
+                raise BackendImportError(
+                    f"backend {name!r} ({MODULE_PATH_DISTRIBUTION}) cannot be loaded: {info.error}. Fix the module "
+                    "or the module path (is its directory on sys.path?); the other backends are unaffected"
+                )
             if info.status == "import-error":
                 raise BackendImportError(
                     f"{info.origin.describe()} failed to import: {info.error}. Fix or reinstall "
@@ -277,7 +321,7 @@ class Registry:
         ok: list[str] = []
         bad: list[str] = []
         known: list[Entry] = [self._loaded.get(n, e) for n, e in self.entries().items()]
-        for entry in [*known, *self._runtime.values()]:
+        for entry in [*known, *self._runtime.values(), *self._paths.values()]:
             if isinstance(entry, metadata.EntryPoint):
                 dist, version = dist_of(entry)
                 ok.append(f"{entry.name} ({dist or '?'} {version or ''}".rstrip() + ")")
