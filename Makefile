@@ -2,7 +2,7 @@
 #   make demo   set up, then `kvwire check` and `kvwire bench` (the main job)
 #   make test      set up, then the default suite (every fast test, in parallel), ruff and mypy: minutes
 #   make test-all  set up, then the slow tests (real engines across processes, fresh venvs, wheels)
-#   make dist   wheels of every distribution (core/, plugins/*/) into dist/
+#   make dist   an sdist and a wheel of every distribution (core/, plugins/*/, hosts/*/) into dist/
 # Set-up is idempotent and quick when already done (stamp files).
 
 PYTHON ?= python3
@@ -12,7 +12,7 @@ PIP    := $(PY) -m pip
 SYSLIBS := libibverbs.so.1 libnuma.so.1 libcurl.so.4
 APT_PKGS := libibverbs1 libnuma1 libcurl4
 TORCH_WHEELS := /opt/wheels/torch-2.13.0+cpu-cp$(shell $(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')-*.whl
-DEV_DEPS := "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.5" "hypothesis>=6.100" "ruff>=0.6" "mypy>=1.10" "setuptools>=77" "wheel" \
+DEV_DEPS := "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.5" "hypothesis>=6.100" "ruff>=0.6" "mypy>=1.10" "setuptools>=77" "wheel" "build>=1.2" \
 	"prometheus_client>=0.17"
 # Every distribution: the core and each plugin with a pyproject.toml (a new plugin is picked up by setup and dist).
 PLUGIN_DIRS := $(patsubst %/pyproject.toml,%,$(sort $(wildcard plugins/*/pyproject.toml)))
@@ -76,11 +76,13 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
+# Each distribution's sdist, then its wheel built from that sdist (python -m build), into dist/: a file missing
+# from an sdist fails here, not on a user's machine. No build isolation: the venv's setuptools builds (offline).
 # In-tree builds leave build/ dirs whose stale files would end up in the next wheel: start from none.
 dist: $(PY)
-	$(PIP) install --quiet "setuptools>=77" wheel
+	$(PIP) install --quiet "setuptools>=77" wheel "build>=1.2"
 	rm -rf dist $(addsuffix /build,$(DIST_DIRS))
-	$(PIP) wheel --quiet --no-deps --no-build-isolation --wheel-dir dist $(addprefix ./,$(DIST_DIRS))
+	@set -e; for d in $(DIST_DIRS); do echo "building $$d"; $(PY) -m build --quiet --no-isolation --outdir dist "$$d" >/dev/null; done
 	rm -rf $(addsuffix /build,$(DIST_DIRS))
 	@ls -1 dist
 

@@ -137,7 +137,7 @@ def test_table_output(run_with_plugins: RunPy) -> None:
     proc = run_with_plugins("-m", "kvwire", "check", "--backends", "ok,adapted,local")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0].split() == ["backend", "distribution", "version", "spec", "status", "submit", "capabilities"]
+    assert lines[0].split() == ["backend", "distribution", "version", "spec", "status", "submit", "available"]
     assert lines[2].split()[:6] == ["adapted", "kvtest-adapted", "0.3.1", "1.1", "adapted", "core"]
     assert "3/3 allowed backend(s) pass" in proc.stdout
 

@@ -119,8 +119,7 @@ def test_finding_render_names_everything() -> None:
     assert text.splitlines()[2].startswith("    impl: send_kvcache(session_id: str, ")
     assert text.splitlines()[3] == (
         "    fix:  add `dst_device_kv_indices: NDArray[np.int32] | None = None` after `dst_layer_ids`, "
-        "or declare spec_version = '1.1' and drop 'device_kv_indices' from capabilities to load adapted with "
-        "that feature off"
+        "or declare spec_version = '1.1' to load adapted with that feature off"  # it never declared the feature
     )
     assert finding.defined_in == "backends_for_tests:Recorder11"
 

@@ -12,11 +12,14 @@ import json
 import logging
 import math
 import os
+import platform
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from kvwire.errors import ConfigError, KvwireError
-from kvwire.registry.installed import VersionAction, install_problems
+from kvwire.registry.findings import render_findings
+from kvwire.registry.installed import VersionAction, install_problems, versions
 from kvwire.registry.isolation import DEFAULT_TIMEOUT, check_isolated
 from kvwire.registry.loading import BackendInfo
 from kvwire.registry.manager import Registry, allow_list_error, installed_backends
@@ -27,8 +30,37 @@ _SIGPIPE_EXIT = 128 + 13  # what a shell reports for a process ended by SIGPIPE
 _INTERRUPTED_EXIT = 128 + 2  # and for one ended by SIGINT (Ctrl-C)
 
 
-def _check_table(infos: Sequence[BackendInfo]) -> str:
-    headers = ("backend", "distribution", "version", "spec", "status", "submit", "capabilities")
+_WIDTH = 100  # the check table fits this many columns: long notes and capabilities wrap (findings do not)
+
+
+def _wrapped(line: str, indent: str = "    ") -> list[str]:
+    """``line`` under ``indent``, wrapped at :data:`_WIDTH` with continuation lines indented 4 more."""
+    own = line[: len(line) - len(line.lstrip())]
+    return textwrap.wrap(
+        line.lstrip(),
+        width=_WIDTH,
+        initial_indent=indent + own,
+        subsequent_indent=indent + own + "    ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    ) or [indent + own]
+
+
+def _unavailable(info: BackendInfo) -> str | None:
+    """Why a backend that loads cannot transfer on this host (its ``availability()``), or None."""
+    if info.runtime is None or info.runtime == "available":
+        return None
+    return info.runtime.removeprefix("unavailable: ")
+
+
+def _available(info: BackendInfo) -> str:
+    if info.runtime is None:
+        return "-"  # not asked: the backend did not load
+    return "no" if _unavailable(info) else "yes"
+
+
+def _check_table(infos: Sequence[BackendInfo], verbose: bool = False) -> str:
+    headers = ("backend", "distribution", "version", "spec", "status", "submit", "available")
     rows = [
         (
             i.name,
@@ -37,7 +69,7 @@ def _check_table(infos: Sequence[BackendInfo]) -> str:
             i.spec_version or "-",
             i.status,
             i.submission or "-",
-            ",".join(sorted(i.capabilities)) or "-",
+            _available(i),
         )
         for i in infos
     ]
@@ -46,13 +78,15 @@ def _check_table(infos: Sequence[BackendInfo]) -> str:
     lines.append("  ".join("-" * w for w in widths))
     for info, row in zip(infos, rows):
         lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
-        notes = [info.runtime] if info.runtime and info.runtime != "available" else []
+        notes = [info.runtime] if _unavailable(info) else []
         if info.error and info.status != "drift":
             notes.append(info.error)
+        if verbose and info.status not in ("blocked", "duplicate", "import-error", "timeout"):
+            notes.append(f"capabilities: {', '.join(sorted(info.capabilities)) or 'none'}")
         for note in notes:
-            lines.append(f"    {note}")
-        for finding in info.findings:
-            lines.extend("    " + line for line in finding.render().splitlines())
+            lines.extend(_wrapped(note or ""))
+        if info.findings:  # not wrapped: a signature or a fix is one line, to search for and to copy
+            lines.extend("    " + line for line in render_findings(info.findings).splitlines())
     return "\n".join(lines)
 
 
@@ -74,20 +108,69 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([i.to_dict() for i in infos], indent=2))
     else:
-        print(_check_table(infos) if infos else "no kvwire backends installed")
+        print(_check_table(infos, args.verbose) if infos else "no kvwire backends installed")
     passing = ("ok",) if args.strict else ("ok", "adapted")
     failed = [i for i in infos if i.status != "blocked" and i.status not in passing]
+    # --require-available: a backend that loads but whose availability() gives a reason cannot transfer here
+    unavailable = [i for i in infos if args.require_available and i.status in passing and _unavailable(i)]
     if not args.json:
         total = len([i for i in infos if i.status != "blocked"]) + len(unknown)
-        passed = total - len(failed) - len(unknown)
-        print(f"\n{passed}/{total} allowed backend(s) pass" + (" (--strict)" if args.strict else ""))
+        passed = total - len(failed) - len(unavailable) - len(unknown)
+        flags = [f for f, on in (("--strict", args.strict), ("--require-available", args.require_available)) if on]
+        print(f"\n{passed}/{total} allowed backend(s) pass" + (f" ({' '.join(flags)})" if flags else ""))
+    for info in unavailable:
+        where = f"{info.distribution} {info.version}" if info.distribution else "registered at runtime"
+        print(
+            f"kvwire check: error: backend {info.name!r} ({where}) loads but cannot transfer on this host "
+            f"(--require-available): {_unavailable(info)}",
+            file=sys.stderr,
+        )
     if unknown:
         source = "--backends" if allow is not None else registry.allow_source
         print(f"kvwire check: error: {allow_list_error(source, unknown, installed_backends())}", file=sys.stderr)
     problems = install_problems()  # e.g. two Mooncake engine wheels that overwrite each other's files
     for problem in problems:
         print(f"kvwire check: error: {problem}", file=sys.stderr)
-    return 1 if failed or unknown or problems else 0
+    return 1 if failed or unavailable or unknown or problems else 0
+
+
+def _cmd_versions(args: argparse.Namespace) -> int:
+    data = versions()
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    known = data["spec_known"]
+    lines = [
+        f"kvwire {data['kvwire']}",
+        f"backend spec {data['spec']} (loads backends of spec {known[0]} to {known[-1]})",
+        f"python {platform.python_version()} ({sys.executable})",
+    ]
+    backends: dict[str, dict[str, str | None]] = data["backends"]
+    if backends:
+        width = max(map(len, backends))
+        lines.append("installed backends (from metadata; none is imported, `kvwire check` validates them):")
+        lines += [
+            f"  {name.ljust(width)}  {b['distribution'] or '-'} {b['version'] or ''}".rstrip()
+            for name, b in backends.items()
+        ]
+    else:
+        lines.append("no kvwire backends installed")
+    print("\n".join(lines))
+    return 0
+
+
+class _PlainHelp(argparse.HelpFormatter):
+    """Help without reST markup: the descriptions and help strings come from docstrings (``x`` reads as x)."""
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(_plain(text))
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        return _plain(super()._expand_help(action))
+
+
+def _plain(text: str) -> str:
+    return text.replace("``", "")
 
 
 #: name -> (help, description, module with ``add_arguments(parser)`` and ``run(args) -> int``)
@@ -95,7 +178,7 @@ _SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "spec": (
         "print the backend hook spec of a version, or what changed between two",
         "Print every hook's signature, the capabilities and the version history of the backend spec "
-        "(--version for an older one, --diff OLD NEW for the changes, --json for tools). Exit status: 0, or 2 "
+        "(--at for an older one, --diff OLD NEW for the changes, --json for tools). Exit status: 0, or 2 "
         "for an unknown version.",
         "kvwire.cli.spec_command",
     ),
@@ -118,7 +201,7 @@ _SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvwire", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvwire", description=__doc__, formatter_class=_PlainHelp)
     parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser(
@@ -126,11 +209,18 @@ def _parser() -> argparse.ArgumentParser:
         help="validate every installed backend against the hook spec",
         description="Import, validate and ask the availability of every installed (allowed) backend, each in an "
         "isolated child process with a time limit. Exit status: 0 every allowed backend is ok (or adapted, "
-        "without --strict), 1 one is not, or an allow-listed name is not installed, or two Mooncake engine "
-        "wheels are installed; 2 usage error.",
+        "without --strict; and available, with --require-available), 1 one is not, or an allow-listed name is "
+        "not installed, or two Mooncake engine wheels are installed; 2 usage error.",
+        formatter_class=_PlainHelp,
     )
     check.add_argument("--json", action="store_true", help="print a JSON list of backends")
     check.add_argument("--strict", action="store_true", help="fail on 'adapted' backends too")
+    check.add_argument(
+        "--require-available",
+        action="store_true",
+        help="fail on a backend that loads but cannot transfer on this host (its availability() gives a reason)",
+    )
+    check.add_argument("--verbose", "-v", action="store_true", help="list each backend's capabilities")
     check.add_argument("--backends", default=None, help="comma-separated allow-list (default: $KVWIRE_BACKENDS)")
     check.add_argument(
         "--timeout",
@@ -140,8 +230,18 @@ def _parser() -> argparse.ArgumentParser:
         help=f"time limit of each backend's import, validation and availability() (default: {DEFAULT_TIMEOUT:g})",
     )
     check.set_defaults(func=_cmd_check)
+    report = sub.add_parser(
+        "versions",
+        help="print kvwire's, the spec's, Python's and every installed backend's version",
+        description="The long form of kvwire --version: the core, the backend spec and the spec versions it "
+        "loads, the Python interpreter, and each installed backend's distribution and version, read from "
+        "metadata (nothing is imported; kvwire check validates them). Exit status: 0.",
+        formatter_class=_PlainHelp,
+    )
+    report.add_argument("--json", action="store_true", help="print JSON for tools")
+    report.set_defaults(func=_cmd_versions)
     for name, (summary, description, module) in _SUBCOMMANDS.items():
-        command = sub.add_parser(name, help=summary, description=description)
+        command = sub.add_parser(name, help=summary, description=description, formatter_class=_PlainHelp)
         handler = importlib.import_module(module)
         handler.add_arguments(command)
         command.set_defaults(func=handler.run)

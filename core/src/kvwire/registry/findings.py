@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Finding", "BackendOrigin", "Rule"]
+__all__ = ["Finding", "BackendOrigin", "Rule", "render_findings"]
 
 Rule = Literal[
     "missing-parameter",
@@ -61,12 +62,17 @@ class Finding:
         """Whether the hook is new in the backend class or inherited, and from which parent."""
         return "this class" if self.defined_in is None else f"inherited from {self.defined_in}"
 
-    def render(self) -> str:
-        """Multi-line text for logs and the CLI."""
+    @property
+    def subject(self) -> str:
+        """``backend 'x' (dist 1.0, entry point m:C), hook h`` (and where the hook is inherited from)."""
         origin = BackendOrigin(self.backend, self.distribution, self.version, self.entry_point)
         inherited = "" if self.defined_in is None else f" ({self.where})"
+        return f"{origin.describe()}, hook {self.hook}{inherited}"
+
+    def render(self) -> str:
+        """Multi-line text for logs and the CLI."""
         return (
-            f"[{self.rule}] {origin.describe()}, hook {self.hook}{inherited}: {self.message}\n"
+            f"[{self.rule}] {self.subject}: {self.message}\n"
             f"    spec: {self.spec_signature}\n"
             f"    impl: {self.impl_signature}\n"
             f"    fix:  {self.fix}"
@@ -74,3 +80,25 @@ class Finding:
 
     def __str__(self) -> str:
         return self.render()
+
+
+def render_findings(findings: Iterable[Finding]) -> str:
+    """Findings as text, each pair of signatures printed once.
+
+    Findings of one backend's hook that compare the same two signatures (a hook whose parameters
+    are all keyword-only has one finding per parameter) are one block: the subject, ``spec:`` and
+    ``impl:`` once, then each rule, message and fix. A finding alone reads as :meth:`Finding.render`.
+    """
+    groups: dict[tuple[str, str, str], list[Finding]] = {}
+    for finding in findings:
+        groups.setdefault((finding.subject, finding.spec_signature, finding.impl_signature), []).append(finding)
+    blocks: list[str] = []
+    for (subject, spec, impl), group in groups.items():
+        if len(group) == 1:
+            blocks.append(group[0].render())
+            continue
+        lines = [f"{subject}: {len(group)} findings", f"    spec: {spec}", f"    impl: {impl}"]
+        for finding in group:
+            lines += [f"    [{finding.rule}] {finding.message}", f"        fix:  {finding.fix}"]
+        blocks.append("\n".join(lines))
+    return "\n".join(blocks)

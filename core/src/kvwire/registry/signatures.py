@@ -16,8 +16,8 @@ from typing import Any
 
 from kvwire.registry.annotations import UnresolvedAnnotation, annotation_key, format_annotation, resolve_annotation
 from kvwire.registry.findings import Rule
-from kvwire.spec.history import PARAMETER_FEATURES, known_versions
-from kvwire.spec.hooks import SpecHook
+from kvwire.spec.history import HOOK_FEATURES, PARAMETER_FEATURES, SpecVersion, known_versions
+from kvwire.spec.hooks import SpecHook, features_at, spec_hooks
 
 __all__ = [
     "EMPTY",
@@ -36,6 +36,8 @@ _STARS: dict[inspect._ParameterKind, str] = {
     inspect.Parameter.VAR_POSITIONAL: "*",
     inspect.Parameter.VAR_KEYWORD: "**",
 }
+#: Features tied to a parameter or an optional hook: a backend declaring an older spec must not claim them.
+_BOUND_FEATURES = frozenset(PARAMETER_FEATURES.values()) | frozenset(HOOK_FEATURES.values())
 _KIND_TEXT = {
     inspect.Parameter.POSITIONAL_ONLY: "positional-only",
     inspect.Parameter.POSITIONAL_OR_KEYWORD: "positional-or-keyword",
@@ -117,8 +119,14 @@ def _default_text(value: object) -> str:
     return "no default" if value is EMPTY else f"default {value!r}"
 
 
-def compare_hook(hook: SpecHook, func: Callable[..., Any], is_method: bool) -> list[Issue]:
-    """Every difference between one hook of the spec and its implementation."""
+def compare_hook(
+    hook: SpecHook, func: Callable[..., Any], is_method: bool, capabilities: frozenset[str] = frozenset()
+) -> list[Issue]:
+    """Every difference between one hook of the spec and its implementation.
+
+    ``capabilities`` are the backend's declared ones: a fix that declares an older spec version names
+    only those of them that version lacks (a capability the backend never declared is not "dropped").
+    """
     params, impl_text = impl_parameters(func, is_method)
     spec_text = hook.signature_text()
     impl_sig = f"{hook.name}{impl_text}"
@@ -158,6 +166,7 @@ def compare_hook(hook: SpecHook, func: Callable[..., Any], is_method: bool) -> l
                 f"remove `{p.name}`: a hook receives exactly the spec's arguments; a per-call value the host "
                 "passes needs a spec version that has the parameter (upgrade kvwire and declare it)",
             )
+    older = _older_version_matching(hook.name, [p.name for p in params]) if missing else None
     for sp in missing:
         if sp.name in renamed:
             continue
@@ -165,11 +174,11 @@ def compare_hook(hook: SpecHook, func: Callable[..., Any], is_method: bool) -> l
         where = f"after `{hook.params[index - 1].name}`" if index else "as the first parameter"
         added = f" added in spec {sp.since}" if sp.since > known_versions()[0] else ""
         adapt = ""
-        if added:
-            older = max(v for v in known_versions() if v < sp.since)
-            feature = PARAMETER_FEATURES.get(sp.name)
-            drop = f" and drop {feature!r} from capabilities" if feature else ""
-            adapt = f", or declare spec_version = '{older}'{drop} to load adapted with that feature off"
+        if added and older is not None:  # the parameters are exactly an older version's: declaring it is a fix
+            drop = sorted(capabilities & (_BOUND_FEATURES - features_at(older)))
+            listed = " and ".join(f"{name!r}" for name in drop)
+            dropping = f" and drop {listed} from capabilities" if drop else ""
+            adapt = f", or declare spec_version = '{older}'{dropping} to load adapted with that feature off"
         add(
             "missing-parameter",
             f"parameter `{sp.name}`{added} is missing (the caller's value would be dropped)",
@@ -209,6 +218,19 @@ def compare_hook(hook: SpecHook, func: Callable[..., Any], is_method: bool) -> l
     if reason:
         add("annotation-mismatch", f"the return value {reason}", f"annotate the return as `-> {hook.returns_text}`")
     return issues
+
+
+def _older_version_matching(name: str, impl_names: Sequence[str]) -> SpecVersion | None:
+    """The newest spec version whose hook ``name`` has exactly the parameters ``impl_names``, in that order.
+
+    Declaring it is a fix for a parameter missing from a later version; when no version matches
+    (e.g. a later parameter is present but an earlier one is missing), it is not, and None is returned.
+    """
+    for version in reversed(known_versions()):
+        hooks = spec_hooks(version)
+        if name in hooks and [p.name for p in hooks[name].params] == list(impl_names):
+            return version
+    return None
 
 
 def _version_of(hook: SpecHook) -> str:

@@ -135,8 +135,17 @@ def _forward_compatible(name: str, func: Callable[..., Any], is_method: bool, ve
     return declared
 
 
+def _claimed_capabilities(cls: type) -> frozenset[str]:
+    """The capabilities ``cls`` declares, for fix texts only (a malformed declaration is its own finding)."""
+    raw: object = getattr(cls, "capabilities", frozenset())
+    if isinstance(raw, (set, frozenset, list, tuple)) and all(isinstance(c, str) for c in raw):
+        return frozenset(raw)
+    return frozenset()
+
+
 def _hook_issues(cls: type, version: SpecVersion) -> list[Issue]:
     hooks = spec_hooks(version)
+    declared = _claimed_capabilities(cls)
     newest = spec_hooks(CURRENT)
     issues: list[Issue] = []
     for name in sorted(dir(cls)):
@@ -181,7 +190,8 @@ def _hook_issues(cls: type, version: SpecVersion) -> list[Issue]:
                     name,
                 )
             )
-        issues.extend(compare_hook(_forward_compatible(name, func, is_method, version), func, is_method))
+        compared = _forward_compatible(name, func, is_method, version)
+        issues.extend(compare_hook(compared, func, is_method, declared))
     return issues
 
 
