@@ -1,5 +1,5 @@
 # kvwire: the README's two commands.
-#   make demo   set up, then `kvwire check` and `kvwire bench` (the main job)
+#   make demo   set up, then `kvwire check` and `kvwire bench` (the main job) on mooncake and on nixl, a plot each
 #   make test      set up, then the default suite (every fast test, in parallel), ruff and mypy: minutes
 #   make test-all  set up, then the slow tests (real engines across processes, fresh venvs, wheels)
 #   make dist   an sdist and a wheel of every distribution (core/, plugins/*/, hosts/*/) into dist/
@@ -13,7 +13,7 @@ SYSLIBS := libibverbs.so.1 libnuma.so.1 libcurl.so.4
 APT_PKGS := libibverbs1 libnuma1 libcurl4
 TORCH_WHEELS := /opt/wheels/torch-2.13.0+cpu-cp$(shell $(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')-*.whl
 DEV_DEPS := "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.5" "hypothesis>=6.100" "ruff>=0.6" "mypy>=1.10" "setuptools>=77" "wheel" "build>=1.2" \
-	"prometheus_client>=0.17"
+	"prometheus_client>=0.17" "matplotlib>=3.7"
 # Every distribution: the core and each plugin with a pyproject.toml (a new plugin is picked up by setup and dist).
 PLUGIN_DIRS := $(patsubst %/pyproject.toml,%,$(sort $(wildcard plugins/*/pyproject.toml)))
 # Host integrations (hosts/<host>/): distributions that plug kvwire into a serving engine.
@@ -53,9 +53,11 @@ $(VENV)/.stamp-install: $(PY) $(DISTS) Makefile
 
 setup: syspkgs $(VENV)/.stamp-install
 
+# The installed transports side by side on the same job (each against its raw engine call), a plot each.
 demo: setup
 	$(VENV)/bin/kvwire check
-	$(VENV)/bin/kvwire bench --backend mooncake --preset llama3-8b --requests 8 --tokens 4096 --compare-raw --compare-uncoalesced
+	$(VENV)/bin/kvwire bench --backend mooncake --preset llama3-8b --requests 8 --tokens 4096 --compare-raw --compare-uncoalesced --plot demo-mooncake.png
+	$(VENV)/bin/kvwire bench --backend nixl --preset llama3-8b --requests 8 --tokens 4096 --compare-raw --plot demo-nixl.png
 
 # One pytest worker per core (-n auto); the slow marker is the only split (see pyproject.toml).
 PYTEST := $(PY) -m pytest -n auto -p no:cacheprovider

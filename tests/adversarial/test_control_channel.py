@@ -236,8 +236,12 @@ def test_bench_reports_a_failed_decode_process_on_one_line_and_reaps_it(
     monkeypatch.setattr(kvwire.benchmark.run, "ChildProcess", decode_process)
     monkeypatch.setattr(kvwire.benchmark.run, "_check_arguments", lambda args: None)
     assert main(["bench", "--backend", "mooncake"]) == 2
-    err = capsys.readouterr().err
-    assert err == f"kvwire bench: error: decode process (pid {started[0].pid}) exited with code 3 before answering\n"
+    *steps, error = capsys.readouterr().err.splitlines()
+    assert error == f"kvwire bench: error: decode process (pid {started[0].pid}) exited with code 3 before answering"
+    assert [re.sub(r"\[ *[\d.]+ s\] ", "", line) for line in steps] == [
+        "kvwire bench: starting the decode process (a local child)",
+        "kvwire bench: waiting for the decode side to allocate and register 576 pages (mooncake)",  # 2 x 256 + 64
+    ]
     assert started[0].proc.returncode == 3  # closed by run() itself, before the fixture
 
 

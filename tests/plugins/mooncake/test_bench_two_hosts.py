@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import select
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -53,6 +55,57 @@ def test_bench_between_two_separately_started_processes() -> None:
         assert result["decode"] == f"127.0.0.1:{port}"
         assert result["bytes"] == 2 * 32 * 16384 * 28 * 2
         assert decode.wait(timeout=60) == 0  # one session, then it exits
+        assert decode.stderr is not None
+        assert "kvwire bench: warning: the control channel on 127.0.0.1 is unauthenticated" in decode.stderr.read()
+    finally:
+        if decode.poll() is None:
+            decode.kill()
+        decode.wait()
+
+
+def test_two_hosts_with_a_control_key_and_a_wrong_one(tmp_path: Path) -> None:
+    """The key in the env on one side, in a file on the other; a wrong or missing key is refused, the right one not."""
+    (tmp_path / "right").write_text("s3cret-control-key\n")
+    (tmp_path / "wrong").write_text("not-the-key\n")
+    env = {**os.environ, "KVWIRE_CONTROL_KEY": "s3cret-control-key"}
+    decode = subprocess.Popen(
+        [sys.executable, "-m", "kvwire", "bench", "--role", "decode", "--listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    clean = {k: v for k, v in os.environ.items() if k != "KVWIRE_CONTROL_KEY"}
+    try:
+        port = _announced_port(decode)
+        base = [
+            sys.executable, "-m", "kvwire", "bench", "--backend", "mooncake", "--peer", f"127.0.0.1:{port}",
+            "--preset", "qwen2.5-7b", "--requests", "1", "--tokens", "256", "--json",
+        ]
+        for extra, pattern in (
+            (["--control-key-file", str(tmp_path / "wrong")], "refused the control key: authentication failed"),
+            ([], "requires a control key: set KVWIRE_CONTROL_KEY or pass --control-key-file"),
+        ):
+            refused = subprocess.run(
+                [*base, *extra], capture_output=True, text=True, timeout=120, check=False, env=clean
+            )
+            assert refused.returncode == 2, refused.stderr
+            assert refused.stderr.splitlines()[-1].startswith(
+                f"kvwire bench: error: decode side at 127.0.0.1:{port} "
+            ), refused.stderr
+            assert pattern in refused.stderr
+        prefill = subprocess.run(
+            [*base, "--control-key-file", str(tmp_path / "right")],
+            capture_output=True, text=True, timeout=300, check=False, env=clean,
+        )
+        assert prefill.returncode == 0, prefill.stderr[-3000:]
+        assert json.loads(prefill.stdout)["verified"] is True
+        assert decode.wait(timeout=60) == 0
+        assert decode.stderr is not None
+        log = decode.stderr.read()
+        assert log.count("kvwire bench: refused a connection: prefill side at 127.0.0.1:") == 2, log
+        assert "answered the control-key challenge with a wrong key" in log
+        assert "unauthenticated" not in log
     finally:
         if decode.poll() is None:
             decode.kill()
@@ -81,5 +134,8 @@ def test_unreachable_decode_side_is_one_line() -> None:
         check=False,
     )
     assert proc.returncode == 2
-    assert proc.stderr.startswith("kvwire bench: error: decode side at 127.0.0.1:1 could not be reached: ")
-    assert proc.stderr.count("\n") == 1
+    *steps, error = proc.stderr.splitlines()
+    assert error.startswith("kvwire bench: error: decode side at 127.0.0.1:1 could not be reached: ")
+    assert [re.sub(r"\[ *[\d.]+ s\] ", "", line) for line in steps] == [
+        "kvwire bench: connecting to the decode side at 127.0.0.1:1 (no control key)"
+    ]

@@ -2,7 +2,8 @@
 
 Run by ``kvwire bench`` as a child, ``python -m kvwire.benchmark.decode '<json args>'``
 (control channel on stdin/stdout), or on another machine as
-``kvwire bench --role decode --listen HOST:PORT`` (control channel over TCP;
+``kvwire bench --role decode --listen HOST:PORT`` (control channel over TCP,
+authenticated by the shared control key before anything else is read;
 the prefill side's first command, ``start``, carries the same arguments;
 ``tp``: ``[size, rank]`` makes it one decode rank of an attention-TP group).
 ``scramble`` sets the target pages to a byte value (memset speed) and records a
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from typing import IO, Any
 
 import numpy as np
@@ -26,7 +28,7 @@ from numpy.typing import NDArray
 from kvwire.benchmark.presets import get_preset
 from kvwire.config import BackendConfig
 from kvwire.connection import Connection
-from kvwire.control import accept_one, parse_address, read_command, reply, serve
+from kvwire.control import accept_one, check_listen_key, parse_address, read_command, reply, serve
 from kvwire.layout.buffers import MemoryKind
 from kvwire.layout.peer import PeerDescription
 from kvwire.registry.manager import connect
@@ -118,13 +120,23 @@ def _start(args: dict[str, Any], host: str | None = None) -> tuple[Connection, K
     return conn, memory
 
 
-def _session(args: dict[str, Any], stdin: IO[bytes] | None, stdout: IO[str] | None, host: str | None) -> int:
+def _session(
+    args: dict[str, Any],
+    stdin: IO[bytes] | None,
+    stdout: IO[str] | None,
+    host: str | None,
+    step: Callable[[str], None] | None = None,
+) -> int:
+    if step is not None:
+        step(f"allocating and registering {args.get('pages')} pages ({args.get('backend')}, {args.get('preset')})")
     try:
         conn, memory = _start(args, host)
     except Exception as exc:
         reply({"error": f"{type(exc).__name__}: {exc}"}, stdout)
         return 1
     reply(PeerDescription(conn.endpoint(), memory.layout).to_dict(), stdout)
+    if step is not None:
+        step(f"serving the prefill side ({memory.backing} pools, endpoint {conn.endpoint()})")
     side = DecodeSide(memory, conn)
     handlers = {"scramble": side.scramble, "verify": side.verify, "watch": side.watch, "confirm": side.confirm}
     with conn:
@@ -140,16 +152,23 @@ def main(raw: str) -> int:
     return _session(json.loads(raw), None, None, None)
 
 
-def listen(address: str, host: str) -> int:
-    """Two-machine mode: serve one prefill side that connects to ``address``; ``host`` is this side's engine address."""
+def listen(address: str, host: str, key: bytes | None = None, step: Callable[[str], None] | None = None) -> int:
+    """Two-machine mode: serve one prefill side that connects to ``address``; ``host`` is this side's engine address.
+
+    ``key``: the control key the prefill side must prove it holds (None: loopback only, with a warning).
+    """
     bind_host, port = parse_address(address, "--listen")
-    sock, reader, writer = accept_one(bind_host, port, sys.stderr)
+    warning = check_listen_key(bind_host, key)
+    sock, reader, writer = accept_one(bind_host, port, sys.stderr, key, notice=warning)
     with sock, reader, writer:
+        if step is not None:
+            peer = sock.getpeername()
+            step(f"prefill side connected from {peer[0]}:{peer[1]} ({'key verified' if key else 'no control key'})")
         start = read_command(reader)
         if start is None or start.get("cmd") != "start":
             reply({"error": f"expected a 'start' command first, got {str(start)[:200]}"}, writer)
             return 1
-        return _session(start, reader, writer, host)
+        return _session(start, reader, writer, host, step)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ wave, the decode side confirms each request by its notification and only then
 verifies its bytes and guard pages. Throughput is bytes over the time from the
 wave's first call to its last completion; verification is outside it.
 
-Also reported: how long ``submit_kvcache`` takes to return, and when each
+Latency per request: from its call (``send_kvcache``, or ``submit_kvcache``) to
+its completion (the call's return, or its future's); with N in flight a request
+waits behind the others of its wave, so its latency grows while the wave's
+throughput does. Also reported: how long ``submit_kvcache`` takes to return, and when each
 notification was seen on the decode side relative to its transfer's
 completion on the prefill side (both ``time.monotonic``, one host's clock:
 the local decode child only). Mooncake sends the notification inside the
@@ -41,7 +44,7 @@ from kvwire.planning.planner import plan_transfer
 from kvwire.workload.fragment import place, run_lengths
 from kvwire.workload.memory import KVMemory
 
-__all__ = ["check_inflight", "inflight_rows", "measure_inflight", "slot_pages"]
+__all__ = ["check_inflight", "inflight_rows", "latency_note", "measure_inflight", "slot_pages"]
 
 
 def slot_pages(pages_per_request: int) -> int:
@@ -76,6 +79,7 @@ class _Tally:
     after_done: list[float] = field(default_factory=list)
     descriptors: list[int] = field(default_factory=lambda: [0, 0])
     rates: list[float] = field(default_factory=list)  # bytes per second of each wave
+    requests: list[tuple[int, float]] = field(default_factory=list)  # per request: bytes, call to completion (s)
 
     def add(self, moved: int, seconds: float) -> None:
         self.bytes += moved
@@ -146,24 +150,28 @@ def measure_inflight(
                 t.descriptors[0] += r.descriptors[0]
                 t.descriptors[1] += r.descriptors[1]
             done_at: dict[int, float] = {}
+            called_at: dict[int, float] = {}
+            moved_by: dict[int, int] = {}
             start = time.perf_counter()
             if phase == "sequential":
-                moved = 0
                 for r in wave:
-                    moved += conn.send_kvcache(endpoint, r.src, ptrs, r.dst)
+                    called_at[r.index] = time.monotonic()
+                    moved_by[r.index] = conn.send_kvcache(endpoint, r.src, ptrs, r.dst)
                     done_at[r.index] = time.monotonic()
                     conn.send_notification(endpoint, r.note)
-                t.add(moved, time.perf_counter() - start)
+                t.add(sum(moved_by.values()), time.perf_counter() - start)
             else:
                 futures: list[Future[int]] = []
                 for r in wave:
                     t0 = time.perf_counter()
+                    called_at[r.index] = time.monotonic()
                     future = conn.submit_kvcache(endpoint, r.src, ptrs, r.dst, notification=r.note)
                     t.submit_s.append(time.perf_counter() - t0)
                     future.add_done_callback(_stamp(done_at, r.index))
                     futures.append(future)
                 wait(futures)
                 t.add(sum(f.result() for f in futures), time.perf_counter() - start)
+                moved_by.update((r.index, f.result()) for r, f in zip(wave, futures))
             for r in wave:
                 answer = decode.request({"cmd": "confirm", "note": r.note.hex(), "digest": r.digest, **r.pages()})
                 t.verified = t.verified and answer.get("ok") is True
@@ -172,6 +180,8 @@ def measure_inflight(
                 if local_clock and isinstance(seen, float) and r.index in done_at:
                     t.after_done.append(seen - done_at[r.index])
                 progress("verified" if t.verified and t.guards else "MISMATCH")
+            # after the confirms: a future's done-callback may run just after wait() returned
+            t.requests += [(moved_by[i], done_at[i] - called_at[i]) for i in (r.index for r in wave) if i in done_at]
     return _result(args, tally)
 
 
@@ -200,8 +210,12 @@ def _result(args: argparse.Namespace, phases: dict[str, _Tally]) -> dict[str, An
         guards=seq.guards and inf.guards,
         descriptors=(inf.descriptors[0], inf.descriptors[1]),
     )
-    result.pop("p50_ms")
-    result.pop("p99_ms")
+    result.update(
+        p50_ms=_pct([s for _, s in inf.requests], 50, 1e3),
+        p99_ms=_pct([s for _, s in inf.requests], 99, 1e3),
+        sequential_p50_ms=_pct([s for _, s in seq.requests], 50, 1e3),
+        sequential_p99_ms=_pct([s for _, s in seq.requests], 99, 1e3),
+    )
     result.update(
         inflight_requests=args.inflight_requests,
         sequential_gbps=seq.gbps,
@@ -217,7 +231,22 @@ def _result(args: argparse.Namespace, phases: dict[str, _Tally]) -> dict[str, An
         sequential_notify_p50_us=_pct(seq.after_done, 50, 1e6),
         sequential_notify_p99_us=_pct(seq.after_done, 99, 1e6),
     )
+    result["_series"] = {"1 in flight": seq.requests, f"{args.inflight_requests} in flight": inf.requests}
     return result
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
+def latency_note(r: dict[str, Any]) -> str:
+    """What the latency row's figures are, for an in-flight run: N in flight, and the sequential phase's."""
+    if "inflight_gbps" not in r:
+        return ""
+    return (
+        f" per request, {r['inflight_requests']} in flight (call to completion); "
+        f"1 in flight: {_ms(r['sequential_p50_ms'])} / {_ms(r['sequential_p99_ms'])} ms"
+    )
 
 
 def inflight_rows(r: dict[str, Any]) -> list[tuple[str, str]]:

@@ -10,6 +10,10 @@ every mode the decode side scrambles the target pages, so every mode is timed
 on the same memory state and only kvwire's own write can pass verification.
 ``--prefill-tp``/``--decode-tp`` other than 1 run :mod:`kvwire.benchmark.tp`;
 ``--inflight-requests N`` runs :mod:`kvwire.benchmark.inflight`.
+Set-up steps and progress go to stderr as they happen (:mod:`kvwire.benchmark.progress`);
+``--plot FILE.png`` draws every compared mode per request (:mod:`kvwire.benchmark.plot`).
+The TCP control channel of ``--listen``/``--peer`` is authenticated by a shared
+key (``KVWIRE_CONTROL_KEY`` or ``--control-key-file``; :mod:`kvwire.control.auth`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ import argparse
 import json
 import re
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -27,13 +30,15 @@ from typing import Any
 import numpy as np
 
 from kvwire.benchmark.decode import listen
-from kvwire.benchmark.inflight import check_inflight, inflight_rows, measure_inflight, slot_pages
+from kvwire.benchmark.inflight import check_inflight, inflight_rows, latency_note, measure_inflight, slot_pages
+from kvwire.benchmark.plot import Series, check_plot, write_plot
 from kvwire.benchmark.presets import PRESETS, get_preset
+from kvwire.benchmark.progress import Progress, Steps
 from kvwire.benchmark.results import summary
 from kvwire.benchmark.tp import add_tp_arguments, check_tp_arguments, run_tp, tp_rows, uses_tp
 from kvwire.config import BackendConfig
 from kvwire.connection import Connection
-from kvwire.control import Channel, ChildProcess, PeerConnection, parse_address
+from kvwire.control import KEY_ENV, Channel, ChildProcess, PeerConnection, check_listen_key, load_key, parse_address
 from kvwire.errors import ConfigError
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.layout.peer import PeerDescription
@@ -44,12 +49,19 @@ from kvwire.workload.memory import KVMemory, allocate
 
 __all__ = ["add_arguments", "run"]
 
+#: The modes of a single-rank run, as the plot's legend names them.
+_MODE_LABELS = {"kvwire": "kvwire", "raw": "raw engine call", "uncoalesced": "one descriptor/page"}
 
-def _option(text: str) -> tuple[str, str]:
+
+def _option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` with VALUE read as JSON (``port=0`` is the int 0), else kept as the string."""
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key, value
+    try:
+        return key, json.loads(value)
+    except ValueError:  # not JSON (e.g. name=abc): the string itself
+        return key, value
 
 
 def _device(text: str) -> str:
@@ -96,7 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a backend option (BackendConfig.options), e.g. max_inflight_per_peer=1024 for mooncake; repeatable",
+        help="a backend option (BackendConfig.options), e.g. max_inflight_per_peer=1024 for mooncake; repeatable. "
+        "VALUE is read as JSON (port=0 is the integer 0, flag=true a bool, ids=[1,2] a list, name='\"7\"' the "
+        "string 7); a VALUE that is not JSON (name=abc) is kept as the string",
     )
     parser.add_argument("--compare-raw", action="store_true", help="also time the raw engine call, same descriptors")
     parser.add_argument("--compare-uncoalesced", action="store_true", help="also time one descriptor per page")
@@ -108,24 +122,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="submit N requests at once per wave (submit_kvcache, notifications) and compare with one at a time",
     )
     add_tp_arguments(parser)
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-
-
-class _Progress:
-    """A progress bar on a terminal; nothing in a log."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done = total, 0
-        self.enabled = enabled and sys.stderr.isatty()
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        if self.enabled:
-            filled = int(30 * self.done / self.total)
-            sys.stderr.write(f"\r  [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {label}   ")
-            sys.stderr.flush()
-            if self.done == self.total:
-                sys.stderr.write("\n")
+    parser.add_argument(
+        "--control-key-file",
+        metavar="FILE",
+        help=f"the secret of the TCP control channel (--listen/--peer), the same on both sides; default: ${KEY_ENV}. "
+        "Without a key, --listen accepts only a loopback address",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw per-request throughput and latency of every compared mode into FILE (.png, .svg or .pdf; "
+        "needs matplotlib: pip install 'kvwire[plot]')",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of a table (set-up and progress: stderr)"
+    )
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
@@ -135,10 +146,21 @@ def _check_arguments(args: argparse.Namespace) -> None:
     if args.role == "prefill" and args.listen:
         raise ConfigError("--listen is for --role decode; the prefill side connects with --peer HOST:PORT")
     if args.role == "decode":
-        parse_address(args.listen, "--listen")
+        if args.plot:
+            raise ConfigError("--plot is for the prefill side (it measures); the decode side only answers")
+        host, _ = parse_address(args.listen, "--listen")
+        check_listen_key(host, load_key(args.control_key_file))
         return  # the prefill side sends the backend, preset and sizes
     if args.peer:
         parse_address(args.peer, "--peer")
+        load_key(args.control_key_file)
+    elif args.control_key_file:
+        raise ConfigError(
+            "--control-key-file is for the TCP control channel (--listen or --peer); local decode processes "
+            "talk over pipes no other process can reach"
+        )
+    if args.plot:
+        check_plot(args.plot)
     for name in ("requests", "tokens", "mean_run"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -169,12 +191,15 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise ConfigError("--inflight-requests runs with --prefill-tp 1 --decode-tp 1 only")
 
 
-def _decode_side(args: argparse.Namespace, decode_args: dict[str, Any]) -> Channel:
+def _decode_side(args: argparse.Namespace, decode_args: dict[str, Any], steps: Steps) -> Channel:
     """A local decode child, or (``--peer``) a connection to a decode side started on another machine."""
     if args.peer is None:
+        steps("starting the decode process (a local child)")
         return ChildProcess("kvwire.benchmark.decode", [json.dumps(decode_args)], what="decode process")
     host, port = parse_address(args.peer, "--peer")
-    channel = PeerConnection(host, port, what="decode side", timeout_s=120.0)
+    key = load_key(args.control_key_file)
+    steps(f"connecting to the decode side at {args.peer} ({'control key' if key else 'no control key'})")
+    channel = PeerConnection(host, port, what="decode side", timeout_s=120.0, key=key)
     try:
         channel.send({"cmd": "start", **decode_args})
     except BaseException:
@@ -185,8 +210,9 @@ def _decode_side(args: argparse.Namespace, decode_args: dict[str, Any]) -> Chann
 
 def run(args: argparse.Namespace) -> int:
     _check_arguments(args)
+    steps = Steps()
     if args.role == "decode":
-        return listen(args.listen, args.host)
+        return listen(args.listen, args.host, load_key(args.control_key_file), steps)
     preset = get_preset(args.preset)
     pages_per_request = -(-args.tokens // preset.page_tokens)
     pool_pages = 2 * pages_per_request + 64  # the runs and the 1-3 free pages after each (~1.25x at mean run 8)
@@ -202,30 +228,39 @@ def run(args: argparse.Namespace) -> int:
         "config": config.to_dict(),
     }
     if uses_tp(args):
-        progress = _Progress(args.requests, not args.json)
-        result, backing = run_tp(args, config, decode_args, pages_per_request, progress.step)
-        return _report(args, result, backing, "local children")
-    decode = _decode_side(args, decode_args)
+        result, backing = run_tp(args, config, decode_args, pages_per_request, steps)
+        return _report(args, result, backing, "local children", steps)
+    decode = _decode_side(args, decode_args, steps)
     try:
+        steps(f"waiting for the decode side to allocate and register {peer_pages} pages ({args.backend})")
         peer = PeerDescription.from_dict(decode.read())
+        steps(f"allocating the prefill pool: {pool_pages} pages x {preset.page_bytes} bytes ({preset.name})")
         pool = allocate(preset.entries(decode_side=False), pool_pages, preset.page_bytes, backing="auto")
         pool.fill_random(args.seed)
+        steps(f"connecting {args.backend} and registering the prefill pool ({pool.backing})")
         with connect(args.backend, config) as conn:
             conn.register_kv_buffers(pool.layout)
             conn.add_peer(peer.endpoint, peer.layout)
             if args.inflight_requests is not None:
-                step = _Progress(2 * args.requests, not args.json).step
+                steps(f"sending {args.requests} requests, {args.inflight_requests} in flight and one at a time")
+                step = Progress(2 * args.requests, steps, what="requests of both phases").step
                 result = measure_inflight(args, conn, pool, peer.endpoint, peer.layout, pages_per_request, decode, step)
             else:
-                result = _measure(args, conn, pool, peer.endpoint, peer.layout, pages_per_request, decode)
+                result = _measure(args, conn, pool, peer.endpoint, peer.layout, pages_per_request, decode, steps)
+        steps("closing the decode side")
     finally:
         decode.close()
-    return _report(args, result, pool.backing, args.peer or "local child")
+    return _report(args, result, pool.backing, args.peer or "local child", steps)
 
 
-def _report(args: argparse.Namespace, result: dict[str, Any], backing: str, decode: str) -> int:
+def _report(args: argparse.Namespace, result: dict[str, Any], backing: str, decode: str, steps: Steps) -> int:
+    series: Series = result.pop("_series", {})
     result.update(backend=args.backend, preset=args.preset, backing=backing, decode=decode)
     result.update(prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
+    if args.plot:
+        title = f"kvwire bench: {args.backend}, {args.preset}, {args.requests} x {args.tokens} tokens"
+        write_plot(args.plot, series, title)
+        steps(f"wrote the plot of {', '.join(series)} per request to {args.plot}")
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -241,6 +276,7 @@ def _measure(
     peer_layout: KVLayout,
     pages_per_request: int,
     decode: Channel,
+    steps: Steps,
 ) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed + 7)
     ptrs = [b.base for b in peer_layout.buffers]
@@ -252,9 +288,14 @@ def _measure(
     total = 0
     verified = guards = True
     before = after = 0
-    progress = _Progress(args.requests, not args.json)
+    series: Series = {"kvwire": []}
+    steps("warm-up transfer (the backend's handshake with the decode side)")
     one = np.array([0], np.int32)
     conn.send_kvcache(endpoint, one, ptrs, one, None, None, one if split else None)  # warm-up: handshake
+    compared = [m for m, on in (("raw", args.compare_raw), ("uncoalesced", args.compare_uncoalesced)) if on]
+    series.update({_MODE_LABELS[m]: [] for m in compared})
+    steps(f"sending {args.requests} requests of {args.tokens} tokens ({', '.join(['kvwire', *compared])})")
+    progress = Progress(args.requests, steps)
     for i in range(args.requests):
         # The same run lengths on both sides, so a request's mean run really is --mean-run after coalescing.
         lengths = run_lengths(rng, pages_per_request, args.mean_run, args.run_shape)
@@ -278,6 +319,7 @@ def _measure(
         # verification; the order rotates per request so that drift in the machine's load falls on every
         # mode alike.
         timings: dict[str, float] = {}
+        moved = 0
         expected = pool.digest(src.astype(np.int64))  # before any mode: no mode follows the sender's digest pass
         for name, call in modes[i % len(modes) :] + modes[: i % len(modes)]:
             decode.request({"cmd": "scramble", **pages})
@@ -294,10 +336,13 @@ def _measure(
             assert isinstance(outcome, int)
             latencies.append(elapsed)
             total += outcome
+            moved = outcome
             verified = verified and answer.get("ok") is True
             guards = guards and answer.get("guards_ok") is True
         for name in paired.keys() & timings.keys():
             paired[name].append(timings[name] / timings["kvwire"])
+        for name, elapsed in timings.items():  # every mode moves the same bytes as kvwire's write
+            series[_MODE_LABELS[name]].append((moved, elapsed))
         progress.step("verified" if verified and guards else "MISMATCH")
     result = summary(
         args.requests, args.tokens, total, latencies, verified=verified, guards=guards, descriptors=(before, after)
@@ -310,7 +355,12 @@ def _measure(
     if args.compare_uncoalesced:
         result["uncoalesced_gbps"] = round(total / seconds_by_mode["uncoalesced"] / 1e9, 3)
         result["coalescing_speedup"] = round(statistics.median(paired["uncoalesced"]), 2)
+    result["_series"] = series
     return result
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
 
 
 def _print_table(r: dict[str, Any]) -> None:
@@ -325,7 +375,7 @@ def _print_table(r: dict[str, Any]) -> None:
             + (", guard pages unchanged" if r["guards_unchanged"] else ", GUARD PAGES CHANGED"),
         ),
         ("throughput", f"{r['gbps']:.3f} GB/s"),
-        ("latency p50 / p99", f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f} ms" if "p50_ms" in r else "see below"),
+        ("latency p50 / p99", f"{_ms(r['p50_ms'])} / {_ms(r['p99_ms'])} ms" + latency_note(r)),
         ("descriptors/request", f"{r['descriptors_before']} {unit} -> {r['descriptors_after']} after coalescing"),
         *inflight_rows(r),
     ]

@@ -26,7 +26,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from kvwire.benchmark.plot import Series
 from kvwire.benchmark.presets import Preset, get_preset
+from kvwire.benchmark.progress import Progress, Steps
 from kvwire.benchmark.results import summary
 from kvwire.config import BackendConfig
 from kvwire.connection import Connection
@@ -174,15 +176,21 @@ def run_tp(
     config: BackendConfig,
     decode_args: dict[str, Any],
     pages_per_request: int,
-    step: Callable[[str], None],
+    steps: Steps,
 ) -> tuple[dict[str, Any], str]:
     """Run the TP bench: the result (the single-rank bench's fields and the TP ones) and the pools' backing."""
     p_tp, d_tp = args.prefill_tp, args.decode_tp
     pool_pages = int(decode_args["pages"])
     with ExitStack() as stack:
         ranks = [(d_tp, d) for d in range(d_tp)] + ([(1, 0)] if args.compare_same_tp else [])
+        extra = ", and a 1-rank one for --compare-same-tp" if args.compare_same_tp else ""
+        steps(
+            f"starting {len(ranks)} decode processes (TP {d_tp}{extra}); "
+            f"waiting for each to allocate and register {pool_pages} pages"
+        )
         children = _decode_children(stack, decode_args, ranks)
         decodes, same_decode = children[:d_tp], children[d_tp:]
+        steps(f"allocating and registering {p_tp} prefill rank pools ({args.backend}, {pool_pages} pages each)")
         prefills = [_prefill_rank(stack, args, config, pool_pages, p_tp, p) for p in range(p_tp)]
         pairs = [(prefills[p], decodes[d]) for p in range(p_tp) for d in range(d_tp) if p in routed(p_tp, d_tp, d)]
         same: tuple[_Prefill, _Decode] | None = None
@@ -190,10 +198,14 @@ def run_tp(
             source = prefills[0] if p_tp == 1 else _prefill_rank(stack, args, config, pool_pages, 1, 0)
             same = (source, same_decode[0])
         one = np.array([0], np.int32)
+        steps(f"adding peers and a warm-up transfer on each of {len(pairs) + (same is not None)} rank pairs")
         for prefill, dec in pairs + ([same] if same else []):
             prefill.conn.add_peer(dec.peer.endpoint, dec.peer.layout)
             prefill.conn.send_kvcache(dec.peer.endpoint, one, dec.ptrs, one)  # warm-up: handshake
+        steps(f"sending {args.requests} requests of {args.tokens} tokens (TP {p_tp} -> {d_tp})")
+        step = Progress(args.requests, steps).step
         result = _measure(args, pairs, same, decodes, [p.pool for p in prefills], pages_per_request, pool_pages, step)
+        steps("closing the decode processes")
     return result, prefills[0].pool.backing
 
 
@@ -216,6 +228,10 @@ def _measure(
     latencies: list[float] = []
     same_seconds = 0.0
     ratios: list[float] = []  # per request: TP throughput / same-TP throughput
+    tp_label = f"TP {args.prefill_tp} -> {args.decode_tp}"
+    series: Series = {tp_label: []}
+    if same is not None:
+        series["same TP (1 -> 1)"] = []
     total = same_total = before = after = same_after = 0
     verified = guards = True
     for i in range(args.requests):
@@ -253,8 +269,10 @@ def _measure(
         moved, elapsed = timings["tp"]
         total += moved
         latencies.append(elapsed)
+        series[tp_label].append((moved, elapsed))
         if "same" in timings:
             same_moved, same_elapsed = timings["same"]
+            series["same TP (1 -> 1)"].append((same_moved, same_elapsed))
             same_total += same_moved
             same_seconds += same_elapsed
             ratios.append((moved / elapsed) / (same_moved / same_elapsed))
@@ -268,6 +286,7 @@ def _measure(
         result["same_tp_gbps"] = round(same_total / same_seconds / 1e9, 3) if same_seconds else 0.0
         result["same_tp_descriptors"] = same_after // args.requests
         result["tp_ratio"] = round(statistics.median(ratios), 3)
+    result["_series"] = series
     return result
 
 

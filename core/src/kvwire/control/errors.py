@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvwire.errors import KvwireError
 
-__all__ = ["ControlClosedError", "ControlError", "ControlProtocolError", "ControlTimeoutError"]
+__all__ = ["ControlAuthError", "ControlClosedError", "ControlError", "ControlProtocolError", "ControlTimeoutError"]
 
 
 class ControlError(KvwireError, RuntimeError):
@@ -21,3 +21,7 @@ class ControlTimeoutError(ControlError):
 
 class ControlClosedError(ControlError):
     """The child could not start, exited, or closed its end of the channel."""
+
+
+class ControlAuthError(ControlError):
+    """The TCP peer failed the control-key handshake (wrong or missing key, or not a kvwire control peer)."""

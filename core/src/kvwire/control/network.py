@@ -3,22 +3,28 @@
 :class:`PeerConnection` is the parent's end (the same bounded :class:`Channel`
 over a connected socket); :func:`accept_one` is the decode side's: it listens
 where it is told, takes one connection, and hands back the reader and writer
-that :func:`kvwire.control.serve` answers on. No authentication: bind it to a
-private address.
+that :func:`kvwire.control.serve` answers on. Both ends run the mutual HMAC
+handshake of :mod:`kvwire.control.auth` before any command: with a key
+(``KVWIRE_CONTROL_KEY`` or a key file) only a peer holding the same key gets
+through; a wrong or missing key is :class:`ControlAuthError`, naming the peer.
+Listening on a non-loopback address without a key is refused
+(:func:`check_listen_key`); on loopback it is allowed, with a warning.
 """
 
 from __future__ import annotations
 
 import contextlib
 import socket
+from collections.abc import Callable
 from typing import IO
 
+from kvwire.control.auth import KEY_ENV, client_handshake, is_loopback, server_handshake
 from kvwire.control.channel import Channel
-from kvwire.control.errors import ControlClosedError, ControlError
+from kvwire.control.errors import ControlAuthError, ControlClosedError, ControlError
 from kvwire.control.jsonlines import DEFAULT_MAX_BUFFERED, DEFAULT_MAX_DEPTH, DEFAULT_MAX_LINE
 from kvwire.errors import ConfigError
 
-__all__ = ["PeerConnection", "accept_one", "parse_address"]
+__all__ = ["PeerConnection", "accept_one", "check_listen_key", "parse_address"]
 
 
 def parse_address(text: str, what: str) -> tuple[str, int]:
@@ -30,8 +36,23 @@ def parse_address(text: str, what: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def check_listen_key(host: str, key: bytes | None, what: str = "--listen") -> str | None:
+    """ConfigError for a non-loopback ``host`` without a key; for loopback without one, the warning to print."""
+    if key is not None:
+        return None
+    if not is_loopback(host):
+        raise ConfigError(
+            f"{what} {host}: the control channel would accept commands from anyone who reaches this address; "
+            f"set {KEY_ENV} or pass --control-key-file (the same secret on both sides), or listen on 127.0.0.1"
+        )
+    return (
+        f"warning: the control channel on {host} is unauthenticated (no {KEY_ENV} or --control-key-file): "
+        "any local user can connect to it"
+    )
+
+
 class PeerConnection(Channel):
-    """Parent side of a control channel to ``host:port``."""
+    """Parent side of a control channel to ``host:port``; ``key``: the control key (None: the peer must have none)."""
 
     def __init__(
         self,
@@ -43,6 +64,7 @@ class PeerConnection(Channel):
         max_line: int = DEFAULT_MAX_LINE,
         max_buffered: int = DEFAULT_MAX_BUFFERED,
         max_depth: int = DEFAULT_MAX_DEPTH,
+        key: bytes | None = None,
     ) -> None:
         self.check_limits(timeout_s=timeout_s, max_line=max_line, max_buffered=max_buffered, max_depth=max_depth)
         self.address = f"{host}:{port}"
@@ -50,6 +72,11 @@ class PeerConnection(Channel):
             self.sock = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as exc:
             raise ControlClosedError(f"{what} at {self.address} could not be reached: {exc}") from None
+        try:
+            client_handshake(self.sock, key, f"{what} at {self.address}", timeout_s)
+        except ControlAuthError:
+            self.sock.close()
+            raise
         fd = self.sock.fileno()
         super().__init__(
             fd, fd, what=what, timeout_s=timeout_s, max_line=max_line, max_buffered=max_buffered, max_depth=max_depth
@@ -79,11 +106,40 @@ class PeerConnection(Channel):
                 self._poison(ControlClosedError(f"{self.label}: the channel is closed"))
 
 
-def accept_one(host: str, port: int, announce: IO[str]) -> tuple[socket.socket, IO[bytes], IO[str]]:
-    """Listen on ``host:port``, write ``listening on HOST:PORT`` (the bound port) to ``announce``, take one client."""
+def accept_one(
+    host: str,
+    port: int,
+    announce: IO[str],
+    key: bytes | None = None,
+    *,
+    handshake_s: float = 30.0,
+    on_refused: Callable[[ControlAuthError], None] | None = None,
+    notice: str | None = None,
+) -> tuple[socket.socket, IO[bytes], IO[str]]:
+    """Listen on ``host:port``, write ``listening on HOST:PORT`` (the bound port) to ``announce``, take one client.
+
+    The announcement is the first line written (scripts wait for it); ``notice`` (a warning) follows it.
+
+    Every connection first runs the handshake with ``key``; one that fails it is closed, reported to
+    ``on_refused`` (default: a line on ``announce``) and the next is awaited: a stranger cannot end the wait.
+    """
     with socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET) as server:
         bound = server.getsockname()[1]
         announce.write(f"kvwire bench: decode side listening on {host}:{bound}\n")
+        if notice is not None:
+            announce.write(f"kvwire bench: {notice}\n")
         announce.flush()
-        conn, _ = server.accept()
+        while True:
+            conn, address = server.accept()
+            try:
+                server_handshake(conn, key, f"prefill side at {address[0]}:{address[1]}", handshake_s)
+            except ControlAuthError as exc:
+                conn.close()
+                if on_refused is not None:
+                    on_refused(exc)
+                else:
+                    announce.write(f"kvwire bench: refused a connection: {exc}\n")
+                    announce.flush()
+                continue
+            break
     return conn, conn.makefile("rb"), conn.makefile("w", encoding="utf-8")
