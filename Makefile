@@ -2,6 +2,7 @@
 #   make demo   set up, then `kvwire check` and `kvwire bench` (the main job) on mooncake and on nixl, a plot each
 #   make test      set up, then the default suite (every fast test, in parallel), ruff and mypy: minutes
 #   make test-all  set up, then the slow tests (real engines across processes, fresh venvs, wheels)
+#   make docs   the API reference from the docstrings (pdoc) into build/api/
 #   make dist   an sdist and a wheel of every distribution (core/, plugins/*/, hosts/*/) into dist/
 # Set-up is idempotent and quick when already done (stamp files).
 
@@ -13,7 +14,7 @@ SYSLIBS := libibverbs.so.1 libnuma.so.1 libcurl.so.4
 APT_PKGS := libibverbs1 libnuma1 libcurl4
 TORCH_WHEELS := /opt/wheels/torch-2.13.0+cpu-cp$(shell $(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')-*.whl
 DEV_DEPS := "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.5" "hypothesis>=6.100" "ruff>=0.6" "mypy>=1.10" "setuptools>=77" "wheel" "build>=1.2" \
-	"prometheus_client>=0.17" "matplotlib>=3.7"
+	"prometheus_client>=0.17" "matplotlib>=3.7" "pdoc>=15"
 # Every distribution: the core and each plugin with a pyproject.toml (a new plugin is picked up by setup and dist).
 PLUGIN_DIRS := $(patsubst %/pyproject.toml,%,$(sort $(wildcard plugins/*/pyproject.toml)))
 # Host integrations (hosts/<host>/): distributions that plug kvwire into a serving engine.
@@ -23,7 +24,7 @@ DISTS  := $(addsuffix /pyproject.toml,$(DIST_DIRS))
 # Editable installs: plugins without extras (no torch, no NIXL wheel), but mooncake with its CPU engine wheel.
 EDITABLES := $(foreach d,$(DIST_DIRS),-e "$(d)$(if $(filter plugins/mooncake,$(d)),[cpu])")
 
-.PHONY: setup demo test test-all bench lint typecheck syspkgs dist clean
+.PHONY: setup demo test test-all bench lint typecheck syspkgs dist docs clean
 
 $(PY):
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "kvwire needs Python >= 3.10")'
@@ -58,6 +59,15 @@ demo: setup
 	$(VENV)/bin/kvwire check
 	$(VENV)/bin/kvwire bench --backend mooncake --preset llama3-8b --requests 8 --tokens 4096 --compare-raw --compare-uncoalesced --plot demo-mooncake.png
 	$(VENV)/bin/kvwire bench --backend nixl --preset llama3-8b --requests 8 --tokens 4096 --compare-raw --plot demo-nixl.png
+
+# The API reference, generated from the docstrings (pdoc), into build/api/ (open build/api/index.html).
+# Every warning is an error: a docstring pdoc cannot render fails the build.
+DOC_MODULES := kvwire kvwire.submit kvwire.transport kvwire.planning kvwire.layout kvwire.spec kvwire.metrics \
+	kvwire.testing kvwire.lint kvwire.compat.sglang
+docs: setup
+	rm -rf build/api
+	$(PY) -W error -m pdoc --docformat restructuredtext $(DOC_MODULES) -o build/api
+	@echo "API reference: build/api/index.html"
 
 # One pytest worker per core (-n auto); the slow marker is the only split (see pyproject.toml).
 PYTEST := $(PY) -m pytest -n auto -p no:cacheprovider
