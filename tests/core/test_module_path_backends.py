@@ -195,3 +195,28 @@ def test_bench_resolves_a_module_path_backend(write: Write, tmp_path: Path) -> N
     done = subprocess.run([str(cli), "bench", "--backend", path], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2, done
     assert f"backend {path!r} only reaches endpoints of its own process" in done.stderr
+
+
+def test_kvwire_check_checks_an_allow_listed_module_path_in_its_child(write: Write, tmp_path: Path) -> None:
+    """`kvwire check --backends pkg.mod:Class`: the same isolated check as an installed backend, the same findings."""
+    good = f"{write(GOOD)}:Good"
+    _, source = VARIANTS["missing-parameter"]
+    drifted = f"{write(source)}:Backend"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    env.pop("KVWIRE_BACKENDS", None)
+
+    def check(*names: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "kvwire", "check", "--backends", ",".join(names)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+
+    ok = check(good)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert good in ok.stdout and "loaded by module path" in ok.stdout
+    bad = check(good, drifted)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "[missing-parameter]" in bad.stdout + bad.stderr and drifted in bad.stdout + bad.stderr

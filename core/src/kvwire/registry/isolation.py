@@ -29,7 +29,15 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Any
 
-from kvwire.registry.loading import BackendInfo, Phase, dist_of, load_backend, module_of
+from kvwire.registry.loading import (
+    BackendInfo,
+    Phase,
+    dist_of,
+    is_module_path,
+    load_backend,
+    load_module_path,
+    module_of,
+)
 from kvwire.registry.manager import Registry
 
 __all__ = ["DEFAULT_TIMEOUT", "Job", "check_isolated"]
@@ -47,6 +55,8 @@ _EXIT_BUG = 70  # a fork's own failure (not the plugin's), as in sysexits' EX_SO
 _EXIT_INTERRUPTED = 130  # the plugin raised KeyboardInterrupt (a real Ctrl-C reaches the parent too)
 
 Send = Callable[[Mapping[str, Any]], None]
+#: The ``Job.group`` of a ``module.path:ClassName`` backend (imported by path, not from an entry point).
+MODULE_PATH_GROUP = "<module path>"
 
 
 @dataclass(frozen=True)
@@ -55,9 +65,13 @@ class Job:
 
     name: str
     value: str
-    group: str
+    group: str  # the entry-point group, or MODULE_PATH_GROUP for a module.path:ClassName backend
     distribution: str | None
     version: str | None
+
+    @property
+    def origin(self) -> tuple[str | None, str | None]:
+        return self.distribution, self.version
 
 
 def verdict(job: Job, phase: str | None, *, timeout: float | None = None, code: int | None = None) -> BackendInfo:
@@ -109,8 +123,10 @@ def _probe(job: Job, send: Send) -> None:
     def phase(step: Phase) -> None:
         send({"name": job.name, "phase": step})
 
-    ep = metadata.EntryPoint(job.name, job.value, job.group)
-    info = load_backend(job.name, ep, job.distribution, job.version, phase)
+    if job.group == MODULE_PATH_GROUP:
+        info = load_module_path(job.name, phase)
+    else:
+        info = load_backend(job.name, metadata.EntryPoint(job.name, job.value, job.group), *job.origin, phase)
     send({"name": job.name, "info": info.to_dict()})
 
 
@@ -390,9 +406,12 @@ def check_isolated(
         for name, entry in entries.items()
         if isinstance(entry, metadata.EntryPoint)
     ]
+    paths = sorted(n for n in registry.allow or () if is_module_path(n))  # module paths: only when allow-listed
+    jobs += [Job(name, name, MODULE_PATH_GROUP, None, None) for name in paths]
     use_fork = sys.platform.startswith("linux") if fork is None else fork
     results = _run(jobs, timeout, use_fork) if jobs else {}
-    return [results[name] if isinstance(entry, metadata.EntryPoint) else entry for name, entry in entries.items()]
+    found = [results[name] if isinstance(entry, metadata.EntryPoint) else entry for name, entry in entries.items()]
+    return found + [results[name] for name in paths]
 
 
 def _exit(code: int) -> None:
