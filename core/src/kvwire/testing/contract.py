@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvwire.errors import InvalidTransferError, UnsupportedFeatureError
+from kvwire.errors import InvalidTransferError, KvwireError, UnsupportedFeatureError
+from kvwire.planning.plan import TransferPlan
 from kvwire.registry.validator import validate_backend
 from kvwire.spec.capabilities import FEATURES
 from kvwire.spec.history import PARAMETER_FEATURES, known_versions
@@ -27,6 +28,7 @@ from kvwire.workload.fragment import fragmented_pages
 __all__ = [
     "kvwire_invalid_pair",
     "test_contract_empty_request",
+    "test_contract_incoming_writes_outside_registered_memory_are_refused",
     "test_contract_invalid_input_leaves_destination_unchanged",
     "test_contract_layer_mapping",
     "test_contract_notifications_follow_their_data",
@@ -192,6 +194,32 @@ def test_contract_invalid_input_leaves_destination_unchanged(
             args.get("dst_device_kv_indices"),
         )
     assert kvwire_invalid_pair.receiver.hashes() == kvwire_invalid_pair.untouched_hashes()
+
+
+def test_contract_incoming_writes_outside_registered_memory_are_refused(kvwire_harness: ContractHarness) -> None:
+    """A write that runs past the end of the peer's registered memory is refused whole; nothing lands.
+
+    kvwire's planner never builds one: this sends a hand-made plan through the backend's bare engine call
+    (capability ``raw_write``), as a buggy or hostile peer would. The receiving side must check every
+    incoming range against what it registered, not trust the sender (see the README, "Writing a backend").
+    """
+    _needs(kvwire_harness, "raw_write")
+    local_spec, peer_spec, _ = SHAPES["mha-large-pages"]
+    with kvwire_harness.pair(local_spec, peer_spec, 9) as pair:
+        last = pair.receiver.layout.buffers[-1]
+        straddling = last.base + last.nbytes - last.page_bytes  # its last page, then one page past the end
+        plan = TransferPlan(
+            np.array([pair.local.buffers[0].base], dtype=np.int64),
+            np.array([straddling], dtype=np.int64),
+            np.array([2 * last.page_bytes], dtype=np.int64),
+            1,
+        )
+        with pytest.raises(KvwireError):
+            pair.connection.raw_write(pair.receiver.endpoint, plan)
+        assert pair.receiver.hashes() == pair.untouched_hashes()
+        one, two = np.array([1], np.int32), np.array([2], np.int32)
+        assert pair.send(one, two) > 0  # the session still works
+        assert pair.receiver.hashes() == pair.expected_hashes(one, two)
 
 
 # -- non-blocking sends and notifications (spec 1.5) ----------------------------------------------------------
