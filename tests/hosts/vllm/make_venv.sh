@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# Build the CPU-only venv in which vLLM 0.33.0's KV-connector machinery imports and runs without a GPU or a
+# model (KVConnectorFactory, KVConnectorBase_V1, the v1 Scheduler, the KV-cache planner and allocator, the
+# CPU attention backend, vLLM's own NixlConnector), for kvwire's vLLM integration tests (tests/hosts/vllm).
+#
+#   tests/hosts/vllm/make_venv.sh [VENV]        (default: .venv-vllm, relative to the cwd)
+#
+# Everything is installed --no-deps: vllm's declared dependencies pull a CUDA torch of several GB.
+# Order: pip/setuptools bootstrap, vllm==0.33.0, the local CPU torch wheel, requirements.txt, nixl (the meta
+# package) + nixl-cu12, the Mooncake engine, kvwire core, plugins/mooncake and plugins/nixl (editable).
+# Use the venv with VLLM_TARGET_DEVICE=cpu (vLLM's CpuPlatform); see README.md next to this script.
+#
+# Idempotent: VENV/.kvwire-vllm-stamp holds a sha256 over requirements.txt, this script and the pins below;
+# when it matches, nothing is done (and no network is needed). Otherwise VENV is deleted and rebuilt from
+# scratch; the stamp is written last, after an import check.
+#
+# Exit codes: 0 ready; 3 package index unreachable (one line on stderr:
+# "vllm venv: package index unreachable (...)", so tests can skip with it); 4 a local prerequisite is
+# missing (python3.11, the torch wheel); anything else: a real failure.
+#
+# Overrides (environment): PYTHON (python3.11), TORCH_WHEEL, MOONCAKE_ENGINE, PIP_INDEX_URL.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$HERE/../../.." && pwd)"
+VENV="${1:-.venv-vllm}"
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
+VENV="${VENV%/}"
+
+PYTHON="${PYTHON:-python3.11}"
+VLLM="vllm==0.33.0"
+TORCH_WHEEL="${TORCH_WHEEL:-/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl}"
+# vLLM's NixlConnector imports nixl._api: the `nixl` meta package re-exports the wheel of one CUDA major
+# (nixl-cu12, as in the repo's .venv; it runs on CPU with the UCX backend). Both --no-deps.
+NIXL=(nixl==1.5.1 nixl-cu12==1.5.1)
+# Same distribution and version as in the repo's .venv (the CPU build of the Mooncake Transfer Engine).
+MOONCAKE_ENGINE="${MOONCAKE_ENGINE:-mooncake-transfer-engine-non-cuda==0.3.13.post1}"
+BOOTSTRAP=(pip==26.3 setuptools==84.2.1)  # setuptools>=77 builds kvwire's pyproject without isolation
+REQUIREMENTS="$HERE/requirements.txt"
+STAMP="$VENV/.kvwire-vllm-stamp"
+INDEX_URL="${PIP_INDEX_URL:-https://pypi.org/simple}"
+
+say() { printf 'vllm venv: %s\n' "$*" >&2; }
+die() { local code="$1"; shift; say "$*"; exit "$code"; }
+
+stamp_hash() {
+    {
+        printf '%s\n' "$VLLM" "$TORCH_WHEEL" "${NIXL[@]}" "$MOONCAKE_ENGINE" "${BOOTSTRAP[@]}"
+        cat "$REQUIREMENTS" "${BASH_SOURCE[0]}"
+    } | sha256sum | cut -d' ' -f1
+}
+
+# Prints nothing and returns 0 when the index answers; else prints the reason and returns 1.
+probe_index() {
+    "$PYTHON" - "$INDEX_URL" <<'PY'
+import os, ssl, sys, urllib.request
+url = sys.argv[1].rstrip("/") + "/vllm/"
+ctx = ssl.create_default_context(cafile=os.environ.get("PIP_CERT") or None)
+try:
+    with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=15, context=ctx) as r:
+        if r.status >= 400:
+            raise OSError(f"HTTP {r.status}")
+except Exception as e:  # noqa: BLE001 - any failure means "unreachable" here
+    print(f"{url}: {type(e).__name__}: {e}".replace("\n", " "))
+    sys.exit(1)
+PY
+}
+
+# pip, in the venv, never resolving dependencies. A failure with the index gone becomes exit 3.
+# (Drops pip's warning about file:// extra indexes that lack a package: noise from this machine's pip.conf.)
+pip_install() {
+    if ! "$VENV/bin/python" -m pip install --no-deps --no-input --progress-bar off -q "$@" 2>&1 \
+        | { grep -v -e "is ignored: it is neither a file nor a directory" || true; } >&2; then
+        local why
+        if ! why="$(probe_index)"; then die 3 "package index unreachable ($why)"; fi
+        die 1 "pip install --no-deps $* failed"
+    fi
+}
+
+command -v "$PYTHON" >/dev/null || die 4 "$PYTHON not found (the torch wheel is cp311)"
+[ -f "$TORCH_WHEEL" ] || die 4 "torch CPU wheel not found ($TORCH_WHEEL)"
+
+# One builder per venv path at a time (parallel test sessions).
+LOCK="${TMPDIR:-/tmp}/kvwire-vllm-venv-$(printf '%s' "$VENV" | sha256sum | cut -c1-16).lock"
+exec 9>"$LOCK"
+flock 9
+
+WANT="$(stamp_hash)"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && [ -x "$VENV/bin/python" ]; then
+    say "up to date ($VENV)"
+    exit 0
+fi
+
+if ! why="$(probe_index)"; then die 3 "package index unreachable ($why)"; fi
+
+START=$SECONDS
+say "building $VENV from scratch"
+rm -rf "$VENV"
+"$PYTHON" -m venv "$VENV"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+pip_install "${BOOTSTRAP[@]}"
+pip_install "$VLLM"  # a 336 MB wheel (the CUDA build; its Python side is what runs here)
+pip_install "$TORCH_WHEEL"
+pip_install -r "$REQUIREMENTS"
+pip_install "${NIXL[@]}"
+pip_install "$MOONCAKE_ENGINE"
+if [ -x "$REPO/.venv/bin/python" ]; then  # the repo's own venv is the reference for the engine versions
+    for pin in "$MOONCAKE_ENGINE" "${NIXL[1]}"; do
+        have="$("$REPO/.venv/bin/python" -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' \
+            "${pin%%==*}" 2>/dev/null || true)"
+        [ -z "$have" ] || [ "$have" = "${pin##*==}" ] \
+            || say "warning: $REPO/.venv has ${pin%%==*} $have, this venv ${pin##*==}"
+    done
+fi
+pip_install --no-build-isolation -e "$REPO/core" -e "$REPO/plugins/mooncake" -e "$REPO/plugins/nixl"
+
+# Fail here, not in the tests, if the chain no longer imports.
+VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -W ignore -c "
+import vllm.config, vllm.v1.core.sched.scheduler, vllm.v1.core.kv_cache_planning, vllm.v1.worker.utils
+import vllm.v1.attention.backends.cpu_attn, vllm.distributed.kv_transfer.kv_connector.v1.nixl
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.platforms import current_platform
+assert type(current_platform).__name__ == 'CpuPlatform', current_platform
+import nixl._api, mooncake.engine, kvwire, kvwire_mooncake, kvwire_nixl
+" 2>/dev/null || die 1 "import check failed in $VENV (run the import above in it to see why)"
+
+printf '%s\n' "$WANT" >"$STAMP"
+say "ready ($VENV, $(("$VENV/bin/python" -m pip list 2>/dev/null || true) | tail -n +3 | wc -l) packages, $((SECONDS - START))s)"
