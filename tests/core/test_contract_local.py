@@ -37,7 +37,7 @@ def test_kit_runs_from_the_command_line(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "30 passed, 1 skipped" in proc.stdout  # the refusal test is skipped: local carries notifications
+    assert "31 passed, 1 skipped" in proc.stdout  # the refusal test is skipped: local carries notifications
 
 
 def _pytest(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:

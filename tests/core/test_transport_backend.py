@@ -142,9 +142,28 @@ def test_registration_is_all_or_nothing() -> None:
         backend.send_kvcache("p", IDX, [1], IDX, None)
 
 
+class _Plain(kvwire.Transport):
+    """A transport with the required operations only (no raw_write)."""
+
+    endpoint = "plain"
+
+    def register_memory(self, base: int, nbytes: int) -> None: ...
+
+    def unregister_memory(self, base: int) -> None: ...
+
+    def write(self, session_id: str, plan: TransferPlan) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _PlainBackend(LocalBackend):
+    def open_transport(self, config: BackendConfig) -> kvwire.Transport:  # type: ignore[override]
+        return _Plain()
+
+
 def test_raw_write_needs_a_transport_that_offers_it() -> None:
-    backend = LocalBackend(BackendConfig())
-    with pytest.raises(kvwire.UnsupportedFeatureError, match="LocalBackend's transport offers no raw_write"):
+    backend = _PlainBackend(BackendConfig())
+    with pytest.raises(kvwire.UnsupportedFeatureError, match="_PlainBackend's transport offers no raw_write"):
         backend.raw_write("p", TransferPlan.empty())
 
 

@@ -76,6 +76,11 @@ class LocalTransport(Transport):
         for src, dst, length in zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist()):
             ctypes.memmove(dst, src, length)
 
+    def raw_write(self, session_id: str, plan: TransferPlan) -> None:
+        """The bare call (capability ``raw_write``): :meth:`write` itself, whose peer-side range check any
+        receiving side must make (the contract kit sends it a write past the peer's registered memory)."""
+        self.write(session_id, plan)
+
     def notify(self, session_id: str, message: bytes) -> None:
         self._peer(session_id)._inbox.extend([Notification(self._endpoint, message)])
 
@@ -103,6 +108,7 @@ class LocalBackend(TransportBackend):
             "mla",
             "host_memory",
             "device_memory",
+            "raw_write",
         }
     )
 
