@@ -127,3 +127,23 @@ def test_gather_refuses_plans_it_cannot_or_need_not_stage() -> None:
     assert gather_of(plan(strided_src[:MIN_GAIN], contiguous[:MIN_GAIN], [item] * MIN_GAIN), layout) is None
     on_device = replace(layout, buffers=tuple(replace(b, memory="device") for b in layout.buffers))
     assert gather_of(plan(strided_src, contiguous, [item] * n), on_device) is None  # no host gather from a GPU
+
+
+def test_a_staged_send_that_races_close_is_told_the_backend_is_closed() -> None:
+    local = spec(1, 0).allocate(1).layout
+    n = 4 * MIN_GAIN
+    host = local.buffers[0]
+    plan = TransferPlan(
+        np.array([host.base + 2 * i * 64 for i in range(n)], dtype=np.int64),
+        np.array([(1 << 40) + i * 64 for i in range(n)], dtype=np.int64),
+        np.full(n, 64, dtype=np.int64),
+        n,
+    )
+    gather = gather_of(plan, local)
+    assert gather is not None
+    with kvwire.connect("local") as conn:
+        staging = Staging(conn.backend.transport, 4096)
+        staging.close()
+        with pytest.raises(kvwire.BackendError) as exc:
+            staging.write("nobody", gather)
+    assert str(exc.value) == "the backend is closed (its staging buffer is gone); nothing was sent"

@@ -36,6 +36,7 @@ from typing import Final
 import numpy as np
 from numpy.typing import NDArray
 
+from kvwire.errors import BackendError
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.planning.plan import TransferPlan, trusted_plan
 from kvwire.transport.interface import Transport
@@ -127,13 +128,13 @@ class Staging:
         staging's writer thread), the next chunk is gathered into the other.
         """
         with self._lock:
-            if self._closed:
-                raise RuntimeError("staging is closed")
+            if self._closed:  # a send that raced close() past the backend's own check
+                raise BackendError("the backend is closed (its staging buffer is gone); nothing was sent")
             buffer = self._ensure()
             item = gather.item
             per_chunk = max(1, buffer.nbytes // 2 // item)
             halves = [buffer[h * per_chunk * item : (h + 1) * per_chunk * item] for h in (0, 1)]
-            sources = [_items(b, s, item) for b, s in gather.buffers]
+            sources = {k: _items(*gather.buffers[k], item) for k in set(gather.block_buffer.tolist())}
             n = len(gather.plan)
             writing: Future[None] | None = None
             try:
@@ -158,7 +159,7 @@ class Staging:
         return self._pool
 
     @staticmethod
-    def _gather(gather: Gather, sources: list[NDArray[np.void]], staged: NDArray[np.void], a: int, b: int) -> None:
+    def _gather(gather: Gather, sources: dict[int, NDArray[np.void]], staged: NDArray[np.void], a: int, b: int) -> None:
         """Copy the sources of descriptors ``a .. b`` to the start of the staging buffer, in plan order."""
         blocks = gather.blocks
         first = int(np.searchsorted(blocks, a, side="right")) - 1
