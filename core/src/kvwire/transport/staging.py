@@ -134,7 +134,8 @@ class Staging:
             item = gather.item
             per_chunk = max(1, buffer.nbytes // 2 // item)
             halves = [buffer[h * per_chunk * item : (h + 1) * per_chunk * item] for h in (0, 1)]
-            sources = {k: _items(*gather.buffers[k], item) for k in set(gather.block_buffer.tolist())}
+            used = {k: gather.buffers[k] for k in set(gather.block_buffer.tolist())}
+            sources = {k: _items(base, nbytes, item) for k, (base, nbytes) in used.items()}
             n = len(gather.plan)
             writing: Future[None] | None = None
             try:
