@@ -303,10 +303,10 @@ def test_peers_that_died_unannounced_are_swept_and_count_as_forgotten(
         _write(eng, src, alive, alive_addr)  # the live peer, through the fresh sender
 
 
-def test_the_sweeper_thread_runs_the_sweep_until_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_periodic_thread_calls_its_method_until_closed() -> None:
     import threading
 
-    from kvwire_mooncake.engine.sweep import Sweeper
+    from kvwire_mooncake.engine.periodic import Periodic
 
     class Counting:
         def __init__(self) -> None:
@@ -319,8 +319,38 @@ def test_the_sweeper_thread_runs_the_sweep_until_closed(monkeypatch: pytest.Monk
                 self.swept.set()
 
     counting = Counting()
-    sweeper = Sweeper(counting.sweep, "test", interval_s=0.01)
+    sweeper = Periodic(counting.sweep, "test", 0.01)
     assert counting.swept.wait(10)
     sweeper.close()
     calls = counting.calls
     assert not sweeper._thread.is_alive() and counting.calls == calls
+
+
+def test_the_periodic_thread_ends_when_its_method_says_false_or_its_owner_is_dropped() -> None:
+    import gc
+
+    from kvwire_mooncake.engine.periodic import Periodic
+
+    class Once:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def step(self) -> bool:
+            self.calls += 1
+            return False
+
+    once = Once()
+    stopping = Periodic(once.step, "test-false", 0.01)
+    stopping._thread.join(10)
+    assert not stopping._thread.is_alive() and once.calls == 1
+
+    class Forever:
+        def step(self) -> None:
+            pass
+
+    owner = Forever()
+    orphan = Periodic(owner.step, "test-dropped", 0.01)
+    del owner
+    gc.collect()
+    orphan._thread.join(10)
+    assert not orphan._thread.is_alive()

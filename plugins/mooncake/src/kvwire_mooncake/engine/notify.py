@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -31,6 +30,7 @@ from typing import Any, Final
 from kvwire import MAX_NOTIFICATION_BYTES
 from kvwire.errors import TransferError, TransferTimeoutError, UnsupportedFeatureError
 from kvwire.submit import Inbox
+from kvwire_mooncake.engine.periodic import Periodic
 from kvwire_mooncake.engine.slots import Slots
 from kvwire_mooncake.engine.workers import Workers
 
@@ -40,8 +40,6 @@ __all__ = ["DRAIN_INTERVAL_S", "PREFIX", "Received", "decode", "deliver", "encod
 PREFIX: Final = "kvwire1:"
 #: Seconds between two drains of the engine's notify queue into the bounded inbox.
 DRAIN_INTERVAL_S: Final = 0.05
-
-_log = logging.getLogger(__name__)
 
 
 def _binding() -> Any:
@@ -135,17 +133,7 @@ class Received:
         self.inbox: Inbox[tuple[str, bytes]] = Inbox()
         self._engine_of = engine_of
         self._lock = threading.Lock()  # one get_notifies at a time: arrival order is kept
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"{name}-notifications", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(DRAIN_INTERVAL_S):
-            try:
-                if not self.pull():
-                    return  # the engine is gone (closed, or its wrapper dropped)
-            except Exception:  # its binding failed: try again next time
-                _log.debug("draining Mooncake notifications failed", exc_info=True)
+        self._drainer = Periodic(self.pull, f"{name}-notifications", DRAIN_INTERVAL_S)  # stops when pull is False
 
     def pull(self) -> bool:
         """Move what the engine received into the inbox; False when there is no engine any more."""
@@ -163,6 +151,4 @@ class Received:
 
     def close(self) -> None:
         """Stop draining (idempotent); waits for a drain in progress."""
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+        self._drainer.close()

@@ -25,7 +25,7 @@ from numpy.typing import NDArray
 from kvwire import RegionSet
 from kvwire.config import BackendConfig
 from kvwire.errors import InvalidTransferError, PeerUnreachableError, TransferError
-from kvwire_mooncake.engine import failures, notify, sweep
+from kvwire_mooncake.engine import failures, notify
 from kvwire_mooncake.engine.arrays import INT64_MAX, as_addresses, require_positive
 from kvwire_mooncake.engine.binding import (
     P2P_HANDSHAKE,
@@ -37,6 +37,7 @@ from kvwire_mooncake.engine.binding import (
 from kvwire_mooncake.engine.confine import Confinement
 from kvwire_mooncake.engine.dispatch import Chunk, Dispatcher, Lists, Outcome, Peer
 from kvwire_mooncake.engine.environment import prepare_environment
+from kvwire_mooncake.engine.periodic import Periodic
 from kvwire_mooncake.engine.queues import PeerQueues
 from kvwire_mooncake.engine.slots import Slot, Slots
 from kvwire_mooncake.engine.workers import Workers
@@ -46,6 +47,10 @@ __all__ = ["MooncakeEngine"]
 
 #: Fewest seconds between two renewals of the sending engine for one peer.
 RENEW_INTERVAL_S: Final = 30.0
+#: Seconds between two probes of the peers the sending engine wrote to (``sweep_dead_peers``).
+SWEEP_INTERVAL_S: Final = 30.0
+#: Seconds one probe of a sweep is waited for.
+PROBE_WAIT_S: Final = 1.0
 #: Forgotten peers the sending engine may keep connections to before it is replaced (see ``forget_peer``).
 RECYCLE_AFTER_FORGOTTEN: Final = 64
 _NO_RENEWAL: Final = (
@@ -115,7 +120,9 @@ class MooncakeEngine:
             else None
         )
         # Peers that died unannounced are found and forgotten (their connections count toward recycling).
-        self._sweeper = sweep.Sweeper(self.sweep_dead_peers, f"kvwire-mooncake-{port}") if owned else None
+        self._sweeper = (
+            Periodic(self.sweep_dead_peers, f"kvwire-mooncake-{port}-sweep", SWEEP_INTERVAL_S) if owned else None
+        )
 
     @property
     def endpoint(self) -> str:
@@ -219,10 +226,16 @@ class MooncakeEngine:
                 self._recycles += 1
 
     def sweep_dead_peers(self) -> list[str]:
-        """Probe each peer the sending engine wrote to and did not forget; forget those that refuse (:mod:`.sweep`).
+        """Probe each peer the sending engine wrote to and did not forget; forget those that refuse.
 
-        Returns the peers forgotten. A peer that does not answer within
-        ``sweep.PROBE_WAIT_S`` is left alone: frozen is not dead.
+        Mooncake keeps pooled connections to every peer it wrote to until the
+        engine is destroyed; a host that never calls ``remove_peer`` for a
+        receiver that died would keep them for ever. So every
+        ``SWEEP_INTERVAL_S`` a thread runs this: each such peer is probed
+        (``send_probe``, a TCP connection to its handshake port) and the ones
+        that refuse are forgotten, counting toward recycling as forgotten peers
+        do. Returns the peers forgotten. A peer that does not answer within
+        ``PROBE_WAIT_S`` is left alone: frozen is not dead.
         """
         with self._lock:
             if self._dispatch.closed:
@@ -231,7 +244,7 @@ class MooncakeEngine:
             peers = sorted(sender.succeeded - sender.forgotten)
         dead = []
         for session_id in peers:
-            supported, code = failures.probe(self._slots, self._workers, session_id, sweep.PROBE_WAIT_S)
+            supported, code = failures.probe(self._slots, self._workers, session_id, PROBE_WAIT_S)
             if not supported:
                 break
             if code is not None and code != 0:
