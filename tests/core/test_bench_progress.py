@@ -209,3 +209,12 @@ def test_inflight_result_has_per_request_latencies_of_both_phases() -> None:
     assert (result["p50_ms"], result["p99_ms"]) == (12.5, 19.8)
     assert (result["sequential_p50_ms"], result["sequential_p99_ms"]) == (10.0, 10.0)
     assert result["_series"] == {"1 in flight": seq.requests, "4 in flight": inf.requests}
+
+
+def test_an_option_that_looks_like_json_but_is_not_is_refused_as_its_variable_is(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """One rule for an option's text, on the command line as in KVWIRE_OPTION_<KEY>: no silent string fallback."""
+    with pytest.raises(SystemExit):
+        _parse("--option", "ids=[1, 2")
+    assert "argument --option: --option ids=[1, 2 looks like JSON but is not valid" in capsys.readouterr().err

@@ -44,6 +44,7 @@ from kvwire.layout.kv_layout import KVLayout
 from kvwire.layout.peer import PeerDescription
 from kvwire.planning.planner import plan_transfer
 from kvwire.registry.manager import connect, default_registry
+from kvwire.settings.sources import option_value
 from kvwire.workload.fragment import place, run_lengths
 from kvwire.workload.memory import KVMemory, allocate
 
@@ -54,14 +55,15 @@ _MODE_LABELS = {"kvwire": "kvwire", "raw": "raw engine call", "uncoalesced": "on
 
 
 def _option(text: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` with VALUE read as JSON (``port=0`` is the int 0), else kept as the string."""
+    """``KEY=VALUE`` with VALUE read as JSON (``port=0`` is the int 0), else kept as the string
+    (the rule of ``KVWIRE_OPTION_<KEY>``: :func:`kvwire.settings.sources.option_value`)."""
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     try:
-        return key, json.loads(value)
-    except ValueError:  # not JSON (e.g. name=abc): the string itself
-        return key, value
+        return key, option_value(value, f"--option {text}")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _device(text: str) -> str:
@@ -110,7 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="a backend option (BackendConfig.options), e.g. max_inflight_per_peer=1024 for mooncake; repeatable. "
         "VALUE is read as JSON (port=0 is the integer 0, flag=true a bool, ids=[1,2] a list, name='\"7\"' the "
-        "string 7); a VALUE that is not JSON (name=abc) is kept as the string",
+        "string 7); a VALUE that is not JSON (name=abc) is kept as the string, one that starts like JSON but is "
+        "not (ids=[1,2) is refused, as in KVWIRE_OPTION_<KEY>",
     )
     parser.add_argument("--compare-raw", action="store_true", help="also time the raw engine call, same descriptors")
     parser.add_argument("--compare-uncoalesced", action="store_true", help="also time one descriptor per page")

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from kvwire.errors import ConfigError
 
-__all__ = ["CONFIG_ENV", "OPTIONS_ENV", "OPTION_PREFIX", "Gathered", "env_name", "gather"]
+__all__ = ["CONFIG_ENV", "OPTIONS_ENV", "OPTION_PREFIX", "Gathered", "env_name", "gather", "option_value"]
 
 log = logging.getLogger("kvwire")
 
@@ -165,13 +165,14 @@ def _env_value(kind: Kind, var: str, raw: str) -> object:
     return value
 
 
-def _option_value(var: str, raw: str) -> object:
-    """JSON when ``raw`` is JSON (``2`` stays an int), else the string itself; malformed JSON data is an error."""
+def option_value(raw: str, where: str) -> object:
+    """A backend option's value from text (a variable, ``--option KEY=VALUE``): JSON when ``raw`` is JSON
+    (``2`` stays an int), else the string itself; text that looks like JSON but is not is an error naming ``where``."""
     try:
         return json.loads(raw)
     except json.JSONDecodeError as exc:
         if raw.lstrip()[:1] in ("{", "[", '"'):
-            raise ConfigError(f"${var} looks like JSON but is not valid ({exc}); fix it, or quote a string") from None
+            raise ConfigError(f"{where} looks like JSON but is not valid ({exc}); fix it, or quote a string") from None
         return raw
 
 
@@ -186,7 +187,7 @@ def _from_env(kinds: Mapping[str, Kind], env: Mapping[str, str], out: Gathered) 
         key = var[len(OPTION_PREFIX) :].lower()
         if not key:
             raise ConfigError(f"${var} names no option; write {OPTION_PREFIX}<KEY>=<JSON value>")
-        out.set("options", {key: _option_value(var, env[var])}, f"${var}")
+        out.set("options", {key: option_value(env[var], f"${var}")}, f"${var}")
     others = by_var.keys() | OTHER_ENV
     unread = (v for v in env if v.startswith("KVWIRE_") and v not in others and not v.startswith(OPTION_PREFIX))
     for var in sorted(unread):  # other KVWIRE_* variables belong to other tools; a near-miss is worth a word
