@@ -517,3 +517,32 @@ def test_a_mooncake_receiver_that_never_polls_is_drained_into_the_bounded_inbox(
         got = rx.notifications()
         assert [m for _, m in got] == [i.to_bytes(4, "big") * 1024 for i in range(150, 200)]
         assert rx.notifications() == []
+
+
+def test_calls_that_never_return_take_at_most_a_bounded_number_of_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend hanging on every call must not make the process start a thread per retry without end."""
+    from kvwire.connection import deadline
+
+    monkeypatch.setattr(deadline, "MAX_STUCK_CALLS", 3)
+    calls = deadline.CallThreads("hung", 0.05)
+    release = threading.Event()
+    try:
+        for _ in range(3):
+            with pytest.raises(kvwire.TransferTimeoutError):
+                calls.call("send_kvcache", "peer", lambda: release.wait(30))
+        threads = threading.active_count()
+        with pytest.raises(kvwire.BackendError) as exc:
+            calls.call("send_kvcache", "peer", lambda: 1)
+        assert str(exc.value).startswith(
+            "backend 'hung': 3 calls are still running past their deadline (the most a connection lets hold a "
+            "thread); send_kvcache() was not called."
+        )
+        assert threading.active_count() == threads  # refused before a thread was taken
+        release.set()
+        deadline_at = time.monotonic() + 10
+        while calls.stuck and time.monotonic() < deadline_at:
+            time.sleep(0.01)
+        assert calls.call("send_kvcache", "peer", lambda: 7) == 7  # they returned: calls go through again
+    finally:
+        release.set()
+        calls.close()

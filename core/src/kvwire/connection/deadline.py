@@ -10,7 +10,9 @@ thread and stays listed in :attr:`kvwire.Connection.stuck_calls` until it
 returns, while the connection goes on serving other calls (other peers).
 
 Threads are reused: a finished call's thread waits for the next one (at most
-:data:`MAX_IDLE_THREADS` wait); a stuck call's thread is replaced, not waited for.
+:data:`MAX_IDLE_THREADS` wait); a stuck call's thread is replaced, not waited for,
+and at :data:`MAX_STUCK_CALLS` stuck at once new calls are refused, so a backend
+that never returns cannot make the process start threads without bound.
 """
 
 from __future__ import annotations
@@ -24,14 +26,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
-from kvwire.errors import TransferTimeoutError
+from kvwire.errors import BackendError, TransferTimeoutError
 
-__all__ = ["CALL_GRACE_S", "MAX_IDLE_THREADS", "CallThreads", "StuckCall"]
+__all__ = ["CALL_GRACE_S", "MAX_IDLE_THREADS", "MAX_STUCK_CALLS", "CallThreads", "StuckCall"]
 
 #: Seconds a backend call may run past ``BackendConfig.timeout_s`` before its caller gets TransferTimeoutError.
 CALL_GRACE_S: Final = 2.0
 #: Call threads kept waiting for the next call; more concurrent callers get fresh threads.
 MAX_IDLE_THREADS: Final = 8
+#: Calls past their deadline a connection tolerates at once: each holds a thread, so past this many new
+#: calls are refused at once (BackendError) until some return, instead of taking one more thread each.
+MAX_STUCK_CALLS: Final = 64
 
 T = TypeVar("T")
 _Answer = tuple[bool, Any, contextvars.Context]
@@ -87,6 +92,12 @@ class CallThreads:
         reply: queue.SimpleQueue[_Answer] = queue.SimpleQueue()
         call_id = next(_ids)
         with self._lock:
+            if len(self._stuck) >= MAX_STUCK_CALLS:
+                raise BackendError(
+                    f"backend {self._backend!r}: {len(self._stuck)} calls are still running past their deadline "
+                    f"(the most a connection lets hold a thread); {hook}() was not called. They are listed in "
+                    "Connection.stuck_calls; the backend must end every call within timeout_s"
+                )
             inbox = self._idle.pop() if self._idle else None
             fresh = inbox is None
             if inbox is None:
