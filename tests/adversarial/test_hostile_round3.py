@@ -8,13 +8,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
 import pytest
-from numpy.typing import NDArray
 from submit_scenarios import _outcome
 
 import kvwire
@@ -382,45 +381,28 @@ def test_lint_leaves_a_nested_class_whose_base_is_bound_in_the_enclosing_body(tm
 
 def test_a_send_that_never_returns_fails_typed_within_the_deadline_and_other_peers_are_still_served() -> None:
     """Leftover: a third-party backend whose send blocks forever hung the caller (timeout_s was not enforced)."""
-    from kvwire.backends.local import LocalBackend
+    from kvwire.backends.local import LocalBackend, LocalTransport
     from kvwire.connection.deadline import CALL_GRACE_S
 
     release = threading.Event()
     entered = threading.Event()
 
-    class Frozen(LocalBackend):
-        """The local backend, except that a send to the frozen peer blocks until the test releases it."""
+    class FrozenTransport(LocalTransport):
+        """The local transport, except that a write to the frozen peer blocks until the test releases it."""
 
-        frozen_peer = ""
-
-        @kvwire.hookimpl
-        def send_kvcache(
-            self,
-            session_id: str,
-            prefill_kv_indices: NDArray[np.int32],
-            dst_kv_ptrs: Sequence[int],
-            dst_kv_indices: NDArray[np.int32],
-            executor: Executor | None,
-            dst_layer_ids: Sequence[int] | None = None,
-            dst_device_kv_indices: NDArray[np.int32] | None = None,
-            dst_kv_item_len: int | None = None,
-            dst_attn_tp_size: int | None = None,
-        ) -> int:
-            if session_id == Frozen.frozen_peer:
+        def write(self, session_id: str, plan: kvwire.TransferPlan) -> None:
+            if session_id == frozen_peer[0]:
                 entered.set()
                 release.wait(60)
-            return super().send_kvcache(
-                session_id,
-                prefill_kv_indices,
-                dst_kv_ptrs,
-                dst_kv_indices,
-                executor,
-                dst_layer_ids,
-                dst_device_kv_indices,
-                dst_kv_item_len,
-                dst_attn_tp_size,
-            )
+            super().write(session_id, plan)
 
+    class Frozen(LocalBackend):
+        """A third-party backend whose send never returns for one peer (its transport blocks)."""
+
+        def open_transport(self, config: kvwire.BackendConfig) -> LocalTransport:
+            return FrozenTransport()
+
+    frozen_peer = [""]
     registry = kvwire.Registry(allow=["frozen"], policy="strict")
     registry.register("frozen", Frozen)
     timeout_s = 0.3
@@ -431,7 +413,7 @@ def test_a_send_that_never_returns_fails_typed_within_the_deadline_and_other_pee
             frozen.register_kv_buffers(dst.layout)
             alive.register_kv_buffers(other.layout)
             conn.register_kv_buffers(src.layout)
-            Frozen.frozen_peer = frozen.endpoint()
+            frozen_peer[0] = frozen.endpoint()
             for peer, spec in ((frozen, dst), (alive, other)):
                 conn.add_peer(peer.endpoint(), spec.layout)
             ids = np.arange(4, dtype=np.int32)
