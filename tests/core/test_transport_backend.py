@@ -192,3 +192,63 @@ def test_closing_a_local_transport_while_its_thread_holds_the_directory_lock_doe
     thread = threading.Thread(target=close_under_the_lock, daemon=True)
     thread.start()
     assert done.wait(5), "LocalTransport.close() deadlocked on the directory lock its own thread holds"
+
+
+# -- send_kvcache's parameter list is read from BackendProtocol, not spelled in the base ---------
+
+
+def test_the_bases_send_kvcache_has_the_spec_signature_for_inspect_and_pluggy() -> None:
+    import inspect
+
+    from pluggy._hooks import varnames
+
+    from kvwire.spec.request import SEND_PARAMETERS
+
+    assert inspect.signature(LocalBackend.send_kvcache) == inspect.signature(kvwire.BackendProtocol.send_kvcache)
+    args, kwargs = varnames(LocalBackend(BackendConfig()).send_kvcache)  # what pluggy passes, by name
+    assert (*args, *kwargs) == SEND_PARAMETERS
+    assert args == ("session_id", "prefill_kv_indices", "dst_kv_ptrs", "dst_kv_indices", "executor")
+
+
+@pytest.mark.parametrize("style", ["positional", "keywords", "mixed", "defaults"])
+def test_the_bases_send_kvcache_binds_every_calling_style_to_the_same_bytes(style: str) -> None:
+    sender, receiver, src, dst = _pair()
+    p = receiver.endpoint()
+    sender.add_peer(p, KVLayout.mla([dst]))
+    ptrs = [int(dst.ctypes.data)]
+    src_idx, dst_idx = np.array([1, 2], np.int32), np.array([5, 6], np.int32)
+    if style == "positional":
+        moved = sender.send_kvcache(p, src_idx, ptrs, dst_idx, None, None, None, None, None)
+    elif style == "keywords":
+        moved = sender.send_kvcache(
+            session_id=p, prefill_kv_indices=src_idx, dst_kv_ptrs=ptrs, dst_kv_indices=dst_idx, executor=None
+        )
+    elif style == "mixed":
+        moved = sender.send_kvcache(p, src_idx, ptrs, dst_kv_indices=dst_idx, executor=None, dst_layer_ids=None)
+    else:
+        moved = sender.send_kvcache(p, src_idx, ptrs, dst_idx, None)
+    assert moved == 128
+    assert np.array_equal(dst[[5, 6]], src[[1, 2]])
+
+
+def test_the_bases_send_kvcache_refuses_a_call_its_signature_refuses() -> None:
+    sender, _, _, dst = _pair()
+    sender.add_peer("p", KVLayout.mla([dst]))
+    with pytest.raises(TypeError, match=r"^got an unexpected keyword argument 'dst_priority'$"):
+        sender.send_kvcache("p", IDX, [int(dst.ctypes.data)], IDX, None, dst_priority=1)
+    with pytest.raises(TypeError, match=r"^missing a required argument: 'dst_kv_indices'$"):
+        sender.send_kvcache("p", IDX, [int(dst.ctypes.data)])
+
+
+def test_a_request_field_list_that_drifted_from_send_kvcache_fails_at_import() -> None:
+    from kvwire.spec.request import SEND_PARAMETERS, check_request_fields
+
+    fields = [p for p in SEND_PARAMETERS if p not in ("session_id", "executor")]
+    check_request_fields(fields, SEND_PARAMETERS)
+    with pytest.raises(ImportError) as exc:
+        check_request_fields(fields, (*SEND_PARAMETERS, "dst_priority"))
+    assert str(exc.value) == (
+        f"TransferRequest's fields {tuple(fields)} must be send_kvcache's parameters but session_id and executor, "
+        f"in spec order: {(*fields, 'dst_priority')}; add a new parameter to both "
+        "(kvwire/spec/protocol.py and kvwire/spec/request.py)"
+    )

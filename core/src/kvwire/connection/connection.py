@@ -189,8 +189,7 @@ class Connection:
         layout here, for every backend (an adapted one never receives them).
         """
         self._check_open()
-        request = self._request(
-            session_id,
+        request = TransferRequest(
             prefill_kv_indices,
             dst_kv_ptrs,
             dst_kv_indices,
@@ -199,6 +198,7 @@ class Connection:
             dst_kv_item_len,
             dst_attn_tp_size,
         )
+        self._check_request(session_id, request)
         return self._send(session_id, request, executor)
 
     def submit_kvcache(
@@ -230,8 +230,7 @@ class Connection:
         the peer after this transfer's bytes, and only if it succeeded.
         """
         self._check_open()
-        request = self._request(
-            session_id,
+        request = TransferRequest(
             prefill_kv_indices,
             dst_kv_ptrs,
             dst_kv_indices,
@@ -240,6 +239,7 @@ class Connection:
             dst_kv_item_len,
             dst_attn_tp_size,
         )
+        self._check_request(session_id, request)
         if notification is not None:
             notification = check_message(notification)
             self._require(frozenset({"notifications"}), "notification")
@@ -291,33 +291,14 @@ class Connection:
             )
         return got
 
-    def _request(
-        self,
-        session_id: str,
-        prefill_kv_indices: NDArray[np.int32],
-        dst_kv_ptrs: Sequence[int],
-        dst_kv_indices: NDArray[np.int32],
-        dst_layer_ids: Sequence[int] | None,
-        dst_device_kv_indices: NDArray[np.int32] | None,
-        dst_kv_item_len: int | None,
-        dst_attn_tp_size: int | None,
-    ) -> TransferRequest:
-        """The checked request: argument types, features the backend lacks, the caller's view of the peer."""
+    def _check_request(self, session_id: str, request: TransferRequest) -> None:
+        """Check a request: argument types, features the backend lacks, the caller's view of the peer."""
         check_session_id(session_id)
-        request = TransferRequest(
-            prefill_kv_indices,
-            dst_kv_ptrs,
-            dst_kv_indices,
-            dst_layer_ids,
-            dst_device_kv_indices,
-            dst_kv_item_len,
-            dst_attn_tp_size,
-        )
         self._require(request.features())
         peer = self._peers.get(session_id)
-        if (dst_kv_item_len is not None or dst_attn_tp_size is not None) and self._local and peer:
-            check_peer_shape(self._local, peer, dst_layer_ids, dst_kv_item_len, dst_attn_tp_size)
-        return request
+        item_len, tp_size = request.dst_kv_item_len, request.dst_attn_tp_size
+        if (item_len is not None or tp_size is not None) and self._local and peer:
+            check_peer_shape(self._local, peer, request.dst_layer_ids, item_len, tp_size)
 
     def _send(self, session_id: str, request: TransferRequest, executor: Executor | None) -> int:
         with handing(request):

@@ -20,11 +20,9 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Future
 from contextlib import suppress
-
-import numpy as np
-from numpy.typing import NDArray
+from typing import Any, ClassVar
 
 from kvwire.config import BackendConfig
 from kvwire.errors import BackendError, InvalidTransferError, KvwireError, UnsupportedFeatureError
@@ -34,7 +32,7 @@ from kvwire.planning.plan import TransferPlan
 from kvwire.planning.planner import plan_request
 from kvwire.spec.capabilities import refuse_lacking
 from kvwire.spec.pluggy_project import hookimpl
-from kvwire.spec.request import TransferRequest
+from kvwire.spec.request import SendCall, TransferRequest, send_signature
 from kvwire.submit.futures import TransferFuture, follow, run_into
 from kvwire.submit.notifications import Notification
 from kvwire.transport import telemetry
@@ -50,6 +48,10 @@ class TransportBackend(ABC):
     Subclasses declare ``spec_version`` and ``capabilities`` like any backend;
     the validator checks each subclass on its own, inherited hooks included.
     """
+
+    #: The features the base's planning serves over any transport (layer mapping, head slices, MHA and
+    #: MLA pages): a subclass declares ``capabilities = TransportBackend.planned | {...its transport's}``.
+    planned: ClassVar[frozenset[str]] = frozenset({"layer_ids", "head_slicing", "mha", "mla"})
 
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
@@ -101,27 +103,11 @@ class TransportBackend(ABC):
         self.transport.forget_peer(session_id)
 
     @hookimpl
-    def send_kvcache(
-        self,
-        session_id: str,
-        prefill_kv_indices: NDArray[np.int32],
-        dst_kv_ptrs: Sequence[int],
-        dst_kv_indices: NDArray[np.int32],
-        executor: Executor | None,
-        dst_layer_ids: Sequence[int] | None = None,
-        dst_device_kv_indices: NDArray[np.int32] | None = None,
-        dst_kv_item_len: int | None = None,
-        dst_attn_tp_size: int | None = None,
-    ) -> int:
-        request = TransferRequest.received(
-            prefill_kv_indices=prefill_kv_indices,
-            dst_kv_ptrs=dst_kv_ptrs,
-            dst_kv_indices=dst_kv_indices,
-            dst_layer_ids=dst_layer_ids,
-            dst_device_kv_indices=dst_device_kv_indices,
-            dst_kv_item_len=dst_kv_item_len,
-            dst_attn_tp_size=dst_attn_tp_size,
-        )
+    @send_signature
+    def send_kvcache(self, *args: Any, **kwargs: Any) -> int:
+        """The spec's ``send_kvcache`` (its signature is :class:`kvwire.BackendProtocol`'s, not spelled here)."""
+        call = SendCall.bind(args, kwargs)
+        session_id, request = call.session_id, call.request
         self._refuse_unsupported(request.features())
         local, peer = self._layouts(session_id, "send_kvcache")
         started = telemetry.clock()
