@@ -98,19 +98,8 @@ class LocalBackend(TransportBackend):
     """In-process transfers; every send feature supported."""
 
     spec_version = "1.5"
-    capabilities = frozenset(
-        {
-            "layer_ids",
-            "device_kv_indices",
-            "head_slicing",
-            "notifications",
-            "mha",
-            "mla",
-            "host_memory",
-            "device_memory",
-            "raw_write",
-        }
-    )
+    capabilities = TransportBackend.planned | {"notifications", "raw_write", "device_kv_indices"}
+    capabilities |= {"host_memory", "device_memory"}
 
     def open_transport(self, config: BackendConfig) -> LocalTransport:
         return LocalTransport()

@@ -56,9 +56,7 @@ class AscendBackend(TransportBackend):
     """Mooncake's Ascend transport for NPU-resident KV caches; no split destinations."""
 
     spec_version = "1.5"
-    capabilities = frozenset(
-        {"layer_ids", "head_slicing", "submit", "mha", "mla", "host_memory", "device_memory", "interprocess"}
-    )
+    capabilities = TransportBackend.planned | {"submit", "interprocess", "host_memory", "device_memory"}
 
     @classmethod
     def availability(cls) -> str | None:

@@ -32,20 +32,8 @@ class MooncakeBackend(TransportBackend):
     """Moves KV pages with Mooncake's ``batch_transfer_sync_write``."""
 
     spec_version = "1.5"
-    capabilities = frozenset(
-        {
-            "layer_ids",
-            "head_slicing",
-            "submit",
-            "notifications",
-            "mha",
-            "mla",
-            "host_memory",
-            "device_memory",
-            "interprocess",
-            "raw_write",
-        }
-    )
+    capabilities = TransportBackend.planned | {"submit", "notifications", "raw_write", "interprocess"}
+    capabilities |= {"host_memory", "device_memory"}
 
     @classmethod
     def availability(cls) -> str | None:

@@ -19,21 +19,8 @@ class NixlBackend(kvwire.TransportBackend):
     """Moves KV pages with NIXL WRITE transfers (one agent per instance, descriptor tables as arrays)."""
 
     spec_version = "1.5"
-    capabilities = frozenset(
-        {
-            "layer_ids",
-            "device_kv_indices",
-            "head_slicing",
-            "submit",
-            "notifications",
-            "mha",
-            "mla",
-            "host_memory",
-            "device_memory",
-            "interprocess",
-            "raw_write",
-        }
-    )
+    capabilities = kvwire.TransportBackend.planned | {"submit", "notifications", "raw_write", "interprocess"}
+    capabilities |= {"host_memory", "device_memory", "device_kv_indices"}  # and split (HiSparse) destinations
 
     @classmethod
     def availability(cls) -> str | None:
