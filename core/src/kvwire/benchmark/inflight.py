@@ -36,13 +36,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.benchmark.results import summary
-from kvwire.connection import Connection
-from kvwire.control import Channel
+from kvwire.benchmark.session import BenchSession
 from kvwire.errors import ConfigError
-from kvwire.layout.kv_layout import KVLayout
 from kvwire.planning.planner import plan_transfer
 from kvwire.workload.fragment import place, run_lengths
-from kvwire.workload.memory import KVMemory
 
 __all__ = ["check_inflight", "inflight_rows", "latency_note", "measure_inflight", "slot_pages"]
 
@@ -105,35 +102,27 @@ class _Request:
         return {"host_pages": self.dst.tolist(), "device_pages": None, "key": str(self.slot)}
 
 
-def measure_inflight(
-    args: argparse.Namespace,
-    conn: Connection,
-    pool: KVMemory,
-    endpoint: str,
-    peer_layout: KVLayout,
-    pages_per_request: int,
-    decode: Channel,
-    progress: Callable[[str], None],
-) -> dict[str, Any]:
+def measure_inflight(session: BenchSession, progress: Callable[[str], None]) -> dict[str, Any]:
     """Run both phases; the in-flight phase's figures are the result's main ones."""
-    if peer_layout.is_split:
+    args, conn, pool = session.args, session.conn, session.pool
+    if session.peer_layout.is_split:
         raise ConfigError("--inflight-requests does not support split (HiSparse) presets")
     n = int(args.inflight_requests)
     rng = np.random.default_rng(args.seed + 11)
-    ptrs = [b.base for b in peer_layout.buffers]
-    span = slot_pages(pages_per_request)
+    ptrs = [b.base for b in session.peer_layout.buffers]
+    span = slot_pages(session.pages_per_request)
     one = np.array([0], np.int32)
-    conn.send_kvcache(endpoint, one, ptrs, one)  # warm-up: handshake
-    decode.request({"cmd": "watch"})
+    conn.send_kvcache(session.endpoint, one, ptrs, one)  # warm-up: handshake
+    session.decode.request({"cmd": "watch"})
     local_clock = args.peer is None
     count = 0
 
     def new_request(slot: int) -> _Request:
         nonlocal count
-        lengths = run_lengths(rng, pages_per_request, args.mean_run, args.run_shape)
+        lengths = run_lengths(rng, session.pages_per_request, args.mean_run, args.run_shape)
         src = place(rng, lengths, pool.num_pages).astype(np.int32)
         dst = (slot * span + 1 + place(rng, lengths, span - 2)).astype(np.int32)
-        plan = plan_transfer(pool.layout, peer_layout, src, ptrs, dst)
+        plan = plan_transfer(pool.layout, session.peer_layout, src, ptrs, dst)
         count += 1
         note = f"bench-{count}".encode()
         shape = (plan.descriptors_before, len(plan))
@@ -146,7 +135,7 @@ def measure_inflight(
             t = tally[phase]
             wave = [new_request(k) for k in range(min(n, args.requests - first))]
             for r in wave:
-                decode.request({"cmd": "scramble", **r.pages()})
+                session.decode.request({"cmd": "scramble", **r.pages()})
                 t.descriptors[0] += r.descriptors[0]
                 t.descriptors[1] += r.descriptors[1]
             done_at: dict[int, float] = {}
@@ -156,16 +145,16 @@ def measure_inflight(
             if phase == "sequential":
                 for r in wave:
                     called_at[r.index] = time.monotonic()
-                    moved_by[r.index] = conn.send_kvcache(endpoint, r.src, ptrs, r.dst)
+                    moved_by[r.index] = conn.send_kvcache(session.endpoint, r.src, ptrs, r.dst)
                     done_at[r.index] = time.monotonic()
-                    conn.send_notification(endpoint, r.note)
+                    conn.send_notification(session.endpoint, r.note)
                 t.add(sum(moved_by.values()), time.perf_counter() - start)
             else:
                 futures: list[Future[int]] = []
                 for r in wave:
                     t0 = time.perf_counter()
                     called_at[r.index] = time.monotonic()
-                    future = conn.submit_kvcache(endpoint, r.src, ptrs, r.dst, notification=r.note)
+                    future = conn.submit_kvcache(session.endpoint, r.src, ptrs, r.dst, notification=r.note)
                     t.submit_s.append(time.perf_counter() - t0)
                     future.add_done_callback(_stamp(done_at, r.index))
                     futures.append(future)
@@ -173,7 +162,9 @@ def measure_inflight(
                 t.add(sum(f.result() for f in futures), time.perf_counter() - start)
                 moved_by.update((r.index, f.result()) for r, f in zip(wave, futures))
             for r in wave:
-                answer = decode.request({"cmd": "confirm", "note": r.note.hex(), "digest": r.digest, **r.pages()})
+                answer = session.decode.request(
+                    {"cmd": "confirm", "note": r.note.hex(), "digest": r.digest, **r.pages()}
+                )
                 t.verified = t.verified and answer.get("ok") is True
                 t.guards = t.guards and answer.get("guards_ok") is True
                 seen = answer.get("seen")

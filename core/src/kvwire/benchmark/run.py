@@ -35,18 +35,17 @@ from kvwire.benchmark.plot import Series, check_plot, write_plot
 from kvwire.benchmark.presets import PRESETS, get_preset
 from kvwire.benchmark.progress import Progress, Steps
 from kvwire.benchmark.results import summary
+from kvwire.benchmark.session import BenchSession
 from kvwire.benchmark.tp import add_tp_arguments, check_tp_arguments, run_tp, tp_rows, uses_tp
 from kvwire.config import BackendConfig
-from kvwire.connection import Connection
 from kvwire.control import KEY_ENV, Channel, ChildProcess, PeerConnection, check_listen_key, load_key, parse_address
 from kvwire.errors import ConfigError
-from kvwire.layout.kv_layout import KVLayout
 from kvwire.layout.peer import PeerDescription
 from kvwire.planning.planner import plan_transfer
 from kvwire.registry.manager import connect, default_registry
 from kvwire.settings.sources import option_value
 from kvwire.workload.fragment import place, run_lengths
-from kvwire.workload.memory import KVMemory, allocate
+from kvwire.workload.memory import allocate
 
 __all__ = ["add_arguments", "run"]
 
@@ -244,12 +243,13 @@ def run(args: argparse.Namespace) -> int:
         with connect(args.backend, config) as conn:
             conn.register_kv_buffers(pool.layout)
             conn.add_peer(peer.endpoint, peer.layout)
+            session = BenchSession(args, conn, pool, peer, pages_per_request, decode)
             if args.inflight_requests is not None:
                 steps(f"sending {args.requests} requests, {args.inflight_requests} in flight and one at a time")
                 step = Progress(2 * args.requests, steps, what="requests of both phases").step
-                result = measure_inflight(args, conn, pool, peer.endpoint, peer.layout, pages_per_request, decode, step)
+                result = measure_inflight(session, step)
             else:
-                result = _measure(args, conn, pool, peer.endpoint, peer.layout, pages_per_request, decode, steps)
+                result = _measure(session, steps)
         steps("closing the decode side")
     finally:
         decode.close()
@@ -271,19 +271,11 @@ def _report(args: argparse.Namespace, result: dict[str, Any], backing: str, deco
     return 0 if result["verified"] and result["guards_unchanged"] else 1
 
 
-def _measure(
-    args: argparse.Namespace,
-    conn: Connection,
-    pool: KVMemory,
-    endpoint: str,
-    peer_layout: KVLayout,
-    pages_per_request: int,
-    decode: Channel,
-    steps: Steps,
-) -> dict[str, Any]:
+def _measure(session: BenchSession, steps: Steps) -> dict[str, Any]:
+    args, conn, pool = session.args, session.conn, session.pool
     rng = np.random.default_rng(args.seed + 7)
-    ptrs = [b.base for b in peer_layout.buffers]
-    split = peer_layout.is_split
+    ptrs = [b.base for b in session.peer_layout.buffers]
+    split = session.peer_layout.is_split
     latencies: list[float] = []
     seconds_by_mode = {"raw": 0.0, "uncoalesced": 0.0}
     modes_verified: dict[str, bool] = {}  # the compared modes' writes are verified too
@@ -294,30 +286,30 @@ def _measure(
     series: Series = {"kvwire": []}
     steps("warm-up transfer (the backend's handshake with the decode side)")
     one = np.array([0], np.int32)
-    conn.send_kvcache(endpoint, one, ptrs, one, None, None, one if split else None)  # warm-up: handshake
+    conn.send_kvcache(session.endpoint, one, ptrs, one, None, None, one if split else None)  # warm-up: handshake
     compared = [m for m, on in (("raw", args.compare_raw), ("uncoalesced", args.compare_uncoalesced)) if on]
     series.update({_MODE_LABELS[m]: [] for m in compared})
     steps(f"sending {args.requests} requests of {args.tokens} tokens ({', '.join(['kvwire', *compared])})")
     progress = Progress(args.requests, steps)
     for i in range(args.requests):
         # The same run lengths on both sides, so a request's mean run really is --mean-run after coalescing.
-        lengths = run_lengths(rng, pages_per_request, args.mean_run, args.run_shape)
-        peer_pages = peer_layout.buffers[0].num_pages
+        lengths = run_lengths(rng, session.pages_per_request, args.mean_run, args.run_shape)
+        peer_pages = session.peer_layout.buffers[0].num_pages
         src = place(rng, lengths, pool.num_pages).astype(np.int32)
         dst = place(rng, lengths, peer_pages).astype(np.int32)
         dev = place(rng, lengths, peer_pages).astype(np.int32) if split else None
-        plan = plan_transfer(pool.layout, peer_layout, src, ptrs, dst, None, dev)
+        plan = plan_transfer(pool.layout, session.peer_layout, src, ptrs, dst, None, dev)
         before += plan.descriptors_before
         after += len(plan)
         pages = {"host_pages": dst.tolist(), "device_pages": None if dev is None else dev.tolist()}
         modes: list[tuple[str, Callable[[], object]]] = [
-            ("kvwire", partial(conn.send_kvcache, endpoint, src, ptrs, dst, None, None, dev)),
+            ("kvwire", partial(conn.send_kvcache, session.endpoint, src, ptrs, dst, None, None, dev)),
         ]
         if args.compare_raw:
-            modes.append(("raw", partial(conn.raw_write, endpoint, plan)))
+            modes.append(("raw", partial(conn.raw_write, session.endpoint, plan)))
         if args.compare_uncoalesced:
-            flat = plan_transfer(pool.layout, peer_layout, src, ptrs, dst, None, dev, coalesce=False)
-            modes.append(("uncoalesced", partial(conn.raw_write, endpoint, flat)))
+            flat = plan_transfer(pool.layout, session.peer_layout, src, ptrs, dst, None, dev, coalesce=False)
+            modes.append(("uncoalesced", partial(conn.raw_write, session.endpoint, flat)))
         # Identical bytes to identical places in every mode, each between the same scramble and the same
         # verification; the order rotates per request so that drift in the machine's load falls on every
         # mode alike.
@@ -325,12 +317,12 @@ def _measure(
         moved = 0
         expected = pool.digest(src.astype(np.int64))  # before any mode: no mode follows the sender's digest pass
         for name, call in modes[i % len(modes) :] + modes[: i % len(modes)]:
-            decode.request({"cmd": "scramble", **pages})
+            session.decode.request({"cmd": "scramble", **pages})
             start = time.perf_counter()
             outcome = call()
             elapsed = time.perf_counter() - start
             timings[name] = elapsed
-            answer = decode.request({"cmd": "verify", "digest": expected, **pages})
+            answer = session.decode.request({"cmd": "verify", "digest": expected, **pages})
             ok = answer.get("ok") is True and answer.get("guards_ok") is True  # anything else: not verified
             if name != "kvwire":
                 seconds_by_mode[name] += elapsed
@@ -348,7 +340,13 @@ def _measure(
             series[_MODE_LABELS[name]].append((moved, elapsed))
         progress.step("verified" if verified and guards else "MISMATCH")
     result = summary(
-        args.requests, args.tokens, total, latencies, verified=verified, guards=guards, descriptors=(before, after)
+        args.requests,
+        args.tokens,
+        total,
+        latencies,
+        verified=verified,
+        guards=guards,
+        descriptors=(before, after),
     )
     result.update({f"{name}_verified": ok for name, ok in modes_verified.items()})
     if args.compare_raw:
