@@ -185,3 +185,31 @@ def test_file_problems_name_the_file_and_where_its_path_came_from(tmp_path: Path
     array = _file(tmp_path, "[1]", "kv.json")
     with pytest.raises(ConfigError, match=r"the top level must be an object of settings, got list"):
         BackendConfig.from_sources(array, env={})
+
+
+def test_a_config_path_that_is_a_fifo_a_device_or_huge_is_refused_without_blocking(tmp_path: Path) -> None:
+    """The path comes from the environment: a FIFO would block open(), /dev/zero would never end."""
+    import os
+
+    fifo = tmp_path / "kvwire.toml"
+    os.mkfifo(fifo)  # nobody writes: a blocking open would wait forever
+    with pytest.raises(ConfigError) as exc:
+        BackendConfig.from_sources(env={"KVWIRE_CONFIG": str(fifo)})
+    assert str(exc.value) == f"config file {fifo} ($KVWIRE_CONFIG) is not read: not a regular file"
+    zero = tmp_path / "zero.json"
+    zero.symlink_to("/dev/zero")
+    with pytest.raises(ConfigError) as exc:
+        BackendConfig.from_sources(zero, env={})
+    assert str(exc.value) == f"config file {zero} (path argument) is not read: not a regular file"
+    huge = _file(tmp_path, "# " + "x" * (1 << 20) + "\n", "huge.toml")
+    with pytest.raises(ConfigError) as exc:
+        BackendConfig.from_sources(huge, env={})
+    assert (
+        str(exc.value)
+        == f"config file {huge} (path argument) is not read: {(1 << 20) + 3} bytes, over the limit of 1048576"
+    )
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(b'host = "caf\xe9"\n')
+    with pytest.raises(ConfigError) as exc:
+        BackendConfig.from_sources(latin, env={})
+    assert str(exc.value) == f"config file {latin} (path argument) is not UTF-8: invalid continuation byte at byte 11"

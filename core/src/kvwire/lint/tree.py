@@ -19,11 +19,11 @@ import importlib.util
 import keyword
 import os
 import re
-import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvwire.files import UnreadableFile, read_regular_file
 from kvwire.lint.source import Piece, parse_at, parse_piece, split
 
 __all__ = ["Binding", "Module", "SourceTree"]
@@ -130,18 +130,9 @@ class Module:
         if self._text is None:
             self._text = ""
             try:
-                # non-blocking: opening a FIFO would wait for a writer; then judge what was opened, not the name
-                fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
-                with open(fd, "rb") as file:
-                    info = os.fstat(fd)
-                    if not stat.S_ISREG(info.st_mode):  # a FIFO, or a device that never ends
-                        self._fail("not a regular file")
-                    elif info.st_size > MAX_SOURCE_BYTES:
-                        self._fail(f"{info.st_size} bytes, over the limit of {MAX_SOURCE_BYTES}")
-                    elif len(data := file.read(MAX_SOURCE_BYTES + 1)) > MAX_SOURCE_BYTES:  # grew since
-                        self._fail(f"over the limit of {MAX_SOURCE_BYTES} bytes")
-                    else:
-                        self._text = importlib.util.decode_source(data)
+                self._text = importlib.util.decode_source(read_regular_file(self.path, MAX_SOURCE_BYTES))
+            except UnreadableFile as exc:
+                self._fail(str(exc))
             except (OSError, SyntaxError, UnicodeDecodeError) as exc:
                 self._fail(f"cannot read ({type(exc).__name__}: {exc})")
         return self._text

@@ -21,12 +21,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvwire.errors import ConfigError
+from kvwire.files import UnreadableFile, read_regular_file
 
 __all__ = ["CONFIG_ENV", "OPTIONS_ENV", "OPTION_PREFIX", "Gathered", "env_name", "gather", "option_value"]
 
 log = logging.getLogger("kvwire")
 
 CONFIG_ENV = "KVWIRE_CONFIG"
+#: A config file larger than this is refused (settings are a few lines; a bigger file is a wrong path).
+MAX_CONFIG_BYTES = 1 << 20
 OPTIONS_ENV = "KVWIRE_OPTIONS"
 OPTION_PREFIX = "KVWIRE_OPTION_"
 #: ``KVWIRE_*`` variables read by other parts of kvwire: never a misspelt config variable.
@@ -119,9 +122,13 @@ def _read_file(path: Path, origin: str) -> dict[str, Any]:
     if suffix not in (".toml", ".json"):
         raise ConfigError(f"config file {path} ({origin}): unknown format {path.suffix!r}; use a .toml or .json file")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular_file(path, MAX_CONFIG_BYTES).decode("utf-8")
+    except UnreadableFile as exc:
+        raise ConfigError(f"config file {path} ({origin}) is not read: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"config file {path} ({origin}) cannot be read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} ({origin}) is not UTF-8: {exc.reason} at byte {exc.start}") from None
     parser = _toml(path) if suffix == ".toml" else json
     try:
         data = parser.loads(text)
