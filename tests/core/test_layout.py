@@ -180,3 +180,25 @@ def test_peer_description_carries_the_tp_fields() -> None:
     layout = KVLayout((KVBuffer(4096, 16, 4, 0, "k"), KVBuffer(8192, 16, 4, 0, "v")), 2, 1, heads)
     parsed = PeerDescription.from_dict(json.loads(json.dumps(PeerDescription("ep", layout).to_dict())))
     assert parsed.layout == layout and parsed.layout.heads == heads and parsed.layout.attn_tp_rank == 1
+
+
+def test_head_major_pages_travel_in_the_description_and_only_as_a_bool() -> None:
+    from kvwire.layout.peer import PeerDescription
+
+    heads = HeadLayout(1, 2, 4, 2, 2, head_major=True)
+    layout = KVLayout((KVBuffer(4096, 16, 4, 0, "k"), KVBuffer(8192, 16, 4, 0, "v")), 2, 1, heads)
+    wire = PeerDescription("ep", layout).to_dict()
+    assert wire["layout"]["heads"]["head_major"] is True
+    parsed = PeerDescription.from_dict(json.loads(json.dumps(wire)))
+    assert parsed.layout.heads == heads and parsed.layout.heads is not None and parsed.layout.heads.head_major
+    token_major = KVLayout(layout.buffers, 2, 1, HeadLayout(1, 2, 4, 2, 2))
+    assert "head_major" not in PeerDescription("ep", token_major).to_dict()["layout"]["heads"]  # as before
+    wire["layout"]["heads"]["head_major"] = 1
+    with pytest.raises(LayoutError) as exc:
+        PeerDescription.from_dict(wire)
+    assert "HeadLayout.head_major must be a bool, got int" in str(exc.value)
+    wire["layout"]["heads"]["head_major"] = True
+    wire["layout"]["heads"]["major"] = True
+    with pytest.raises(LayoutError) as exc:
+        PeerDescription.from_dict(wire)
+    assert "heads has missing fields [] / unknown fields ['major']" in str(exc.value)

@@ -78,6 +78,7 @@ class Case:
     dst: NDArray[Any]
     device: NDArray[Any] | None
     layer_ids: list[int] | None
+    head_major: bool = False  # MHA pages: (local heads, tokens, head bytes) instead of (tokens, local heads, ...)
 
 
 def _buffer(a: NDArray[np.uint8], layer: int, role: Role, memory: MemoryKind) -> KVBuffer:
@@ -94,6 +95,7 @@ def cases(draw: st.DrawFn) -> Case:
     head_dim, elem = draw(st.sampled_from((1, 2, 3))), draw(st.sampled_from((1, 2, 4)))
     head_bytes = head_dim * elem
     tokens = draw(st.integers(1, 4))
+    head_major = attention == "mha" and draw(st.booleans())
     roles: tuple[Role, ...] = ("k", "v") if attention == "mha" else ("kv",)
     n_local = draw(st.integers(1, 2))
     mapped = draw(st.booleans())
@@ -113,12 +115,14 @@ def cases(draw: st.DrawFn) -> Case:
         arrays = []
         for layer, role, _, pages in specs:
             if fill:  # a prefill rank holds its heads of the truth (replicas hold the same bytes)
-                a = np.ascontiguousarray(truth[(layer, role)][:, :, held, :])
+                mine = truth[(layer, role)][:, :, held, :]
+                a = np.ascontiguousarray(mine.transpose(0, 2, 1, 3) if head_major else mine)
             else:
-                a = rng.integers(1, 256, size=(pages, tokens, len(held), head_bytes), dtype=np.uint8)
+                shape = (pages, len(held), tokens, head_bytes) if head_major else (pages, tokens, len(held), head_bytes)
+                a = rng.integers(1, 256, size=shape, dtype=np.uint8)
             arrays.append(a)
         bufs = tuple(_buffer(a, layer, role, m) for a, (layer, role, m, _) in zip(arrays, specs, strict=True))
-        heads = HeadLayout(len(held), total, head_dim, elem, tokens) if attention == "mha" else None
+        heads = HeadLayout(len(held), total, head_dim, elem, tokens, head_major) if attention == "mha" else None
         return Rank(KVLayout(bufs, tp, r, heads), arrays)
 
     local_specs: list[tuple[int, Role, MemoryKind, int]] = [
@@ -147,7 +151,22 @@ def cases(draw: st.DrawFn) -> Case:
         which = dst if device is None or draw(st.booleans()) else device
         i, j = sorted(draw(st.lists(st.integers(0, n - 1), min_size=2, max_size=2, unique=True)))
         which[j] = which[i]
-    return Case(attention, p_tp, d_tp, total, head_bytes, tokens, prefill, decode, truth, src, dst, device, layer_ids)
+    return Case(
+        attention,
+        p_tp,
+        d_tp,
+        total,
+        head_bytes,
+        tokens,
+        prefill,
+        decode,
+        truth,
+        src,
+        dst,
+        device,
+        layer_ids,
+        head_major,
+    )
 
 
 def expected_repeat(case: Case) -> str | None:
@@ -222,8 +241,12 @@ def oracle_slices(case: Case, p: int, d: int) -> list[tuple[int, int, int]]:
                 for h in theirs:
                     if naive_sender_of(case.p_tp, case.d_tp, d, h, case.total) != p:
                         continue
-                    s = lb.base + int(case.src[k]) * lb.page_bytes + (t * len(mine) + mine.index(h)) * case.head_bytes
-                    q = pb.base + int(ids[k]) * pb.page_bytes + (t * len(theirs) + theirs.index(h)) * case.head_bytes
+                    if case.head_major:  # head h's tokens are one run of the page
+                        s_row, q_row = mine.index(h) * case.tokens + t, theirs.index(h) * case.tokens + t
+                    else:
+                        s_row, q_row = t * len(mine) + mine.index(h), t * len(theirs) + theirs.index(h)
+                    s = lb.base + int(case.src[k]) * lb.page_bytes + s_row * case.head_bytes
+                    q = pb.base + int(ids[k]) * pb.page_bytes + q_row * case.head_bytes
                     out.append((s, q, case.head_bytes))
     return out
 
@@ -294,7 +317,8 @@ def test_every_decode_rank_gets_exactly_its_heads_once(case: Case) -> None:
             for k in range(len(case.src)):
                 for t in range(case.tokens):
                     for x, h in enumerate(theirs):
-                        want[j][int(ids[k]), t, x] = case.truth[(layer, role)][int(case.src[k]), t, h]
+                        at = (int(ids[k]), x, t) if case.head_major else (int(ids[k]), t, x)
+                        want[j][at] = case.truth[(layer, role)][int(case.src[k]), t, h]
         for got_array, want_array in zip(decode.arrays, want, strict=True):
             np.testing.assert_array_equal(got_array, want_array)
     for r, arrays in zip(case.prefill, before, strict=True):  # sources untouched
@@ -322,6 +346,9 @@ def test_descriptor_counts_and_coalescing(case: Case) -> None:
         elif moved == mine == theirs:
             assert got.descriptors_before == n * pairs
             assert len(got) <= n * pairs
+        elif case.head_major:  # the moved heads of a page are one run: one descriptor per page
+            assert got.descriptors_before == len(got) == n * pairs
+            assert set(got.length.tolist()) == {len(moved) * case.head_bytes * case.tokens}
         else:
             assert got.descriptors_before == len(got) == n * case.tokens * pairs
             assert set(got.length.tolist()) == {len(moved) * case.head_bytes}
@@ -339,9 +366,10 @@ def mha_rank(
     tokens: int = 2,
     pages: int = 8,
     layers: int = 1,
+    head_major: bool = False,
 ) -> KVLayout:
     held = max(1, total // tp)
-    heads = HeadLayout(held, total, head_bytes[0], head_bytes[1], tokens)
+    heads = HeadLayout(held, total, head_bytes[0], head_bytes[1], tokens, head_major)
     pb = heads.page_bytes
     specs = [(layer, role) for role in ("k", "v") for layer in range(layers)]
     return KVLayout(
@@ -370,6 +398,55 @@ def test_known_vector_one_prefill_rank_to_the_second_of_two_decode_ranks() -> No
     ]
     assert got.descriptors_before == 4
     assert tp_mismatch(local, peer) and needs_head_slicing(local, peer)
+
+
+def test_known_vector_head_major_pages_move_one_run_per_page_both_ways() -> None:
+    # 2 KV heads of 4 bytes, 2 tokens a page, head-major: prefill pages are [h0t0 h0t1 h1t0 h1t1] (16 B),
+    # decode rank 1 holds head 1: its pages are [h1t0 h1t1] (8 B), the second half of a prefill page.
+    local, peer = mha_rank(1 << 20, 1, 0, head_major=True), mha_rank(1 << 30, 2, 1, head_major=True)
+    ptrs = [b.base for b in peer.buffers]
+    got = plan_transfer(local, peer, np.array([3, 6], np.int32), ptrs, np.array([1, 4], np.int32))
+    k, v = 1 << 20, (1 << 20) + 16 * 8
+    dk, dv = 1 << 30, (1 << 30) + 8 * 8
+    assert triples(got) == [
+        (k + 48 + 8, dk + 8, 8),
+        (k + 96 + 8, dk + 32, 8),
+        (v + 48 + 8, dv + 8, 8),
+        (v + 96 + 8, dv + 32, 8),
+    ]
+    assert got.descriptors_before == 4
+    # 2 -> 1: each prefill rank fills its half of every decode page, one descriptor per page
+    peer = mha_rank(1 << 30, 1, 0, head_major=True)
+    for p in range(2):
+        local = mha_rank((1 << 20) * (p + 1), 2, p, head_major=True)
+        got = plan_transfer(
+            local, peer, np.array([2], np.int64), [b.base for b in peer.buffers], np.array([7], np.int64)
+        )
+        k, v = local.buffers[0].base, local.buffers[1].base
+        dk, dv = peer.buffers[0].base, peer.buffers[1].base
+        assert triples(got) == [(k + 2 * 8, dk + 7 * 16 + 8 * p, 8), (v + 2 * 8, dv + 7 * 16 + 8 * p, 8)]
+
+
+def test_pages_of_different_orders_are_refused_before_planning() -> None:
+    ptrs_of = lambda layout: [b.base for b in layout.buffers]  # noqa: E731
+    one = np.array([0], np.int32)
+    for local, peer, message in (
+        (
+            mha_rank(1 << 20, 1, 0, head_major=True),
+            mha_rank(1 << 30, 2, 1),
+            "head-major, the decode layout's token-major",
+        ),
+        (
+            mha_rank(1 << 20, 2, 0),
+            mha_rank(1 << 30, 2, 0, head_major=True),
+            "token-major, the decode layout's head-major",
+        ),
+    ):
+        with raises(
+            f"page order mismatch: the prefill layout's pages are {message}; "
+            "head slices move only between pages of the same order"
+        ):
+            plan_transfer(local, peer, one, ptrs_of(peer), one)
 
 
 def test_two_prefill_ranks_fill_one_decode_page() -> None:

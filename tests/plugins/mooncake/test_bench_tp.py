@@ -32,14 +32,20 @@ def _json(*args: str) -> dict[str, Any]:
     return result
 
 
+@pytest.mark.parametrize("head_major", [False, True])
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
-def test_every_decode_rank_verified_with_the_same_tp_baseline(prefill_tp: int, decode_tp: int) -> None:
-    r = _json("--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp), "--compare-same-tp")
+def test_every_decode_rank_verified_with_the_same_tp_baseline(
+    prefill_tp: int, decode_tp: int, head_major: bool
+) -> None:
+    order = ["--head-major"] if head_major else []
+    r = _json("--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp), "--compare-same-tp", *order)
     assert (r["verified"], r["guards_unchanged"]) == (True, True)
-    assert (r["prefill_tp"], r["decode_tp"], r["rank_pairs"]) == (prefill_tp, decode_tp, 2)
+    assert (r["prefill_tp"], r["decode_tp"], r["rank_pairs"], r["head_major"]) == (prefill_tp, decode_tp, 2, head_major)
     assert r["bytes"] == r["same_tp_bytes"] == QWEN_BYTES
-    # head slices move token by token: 32 pages x 16 tokens x 56 buffers, on each of the 2 rank pairs
-    assert r["descriptors_before"] == r["descriptors_after"] == 2 * 32 * 16 * 56
+    # token-major head slices move token by token: 32 pages x 16 tokens x 56 buffers, on each of the 2 rank pairs;
+    # head-major ones one run per page
+    tokens = 1 if head_major else 16
+    assert r["descriptors_before"] == r["descriptors_after"] == 2 * 32 * tokens * 56
     assert r["same_tp_gbps"] > 0 and r["tp_ratio"] > 0
     assert r["decode"] == "local children"
 
@@ -67,7 +73,11 @@ def test_single_rank_json_records_tp_one() -> None:
             ["--prefill-tp", "2", "--decode-tp", "8", "--preset", "llama3-8b", "--peer", "127.0.0.1:1"],
             "--peer: a remote decode side is one rank; use --prefill-tp 1 --decode-tp 1 with --peer",
         ),
-        (["--compare-same-tp"], "--compare-same-tp compares TP sizes: give --prefill-tp or --decode-tp other than 1"),
+        (
+            ["--compare-same-tp"],
+            "--compare-same-tp is for different TP sizes: give --prefill-tp or --decode-tp other than 1",
+        ),
+        (["--head-major"], "--head-major is for different TP sizes: give --prefill-tp or --decode-tp other than 1"),
     ],
 )
 def test_a_bad_combination_is_one_line(args: list[str], message: str) -> None:
@@ -75,8 +85,9 @@ def test_a_bad_combination_is_one_line(args: list[str], message: str) -> None:
     assert (proc.returncode, proc.stderr, proc.stdout) == (2, f"kvwire bench: error: {message}\n", "")
 
 
+@pytest.mark.parametrize("head_major", [False, True])
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1), (2, 4), (4, 2), (1, 8), (8, 2)])
-def test_expected_digest_matches_a_per_head_oracle(prefill_tp: int, decode_tp: int) -> None:
+def test_expected_digest_matches_a_per_head_oracle(prefill_tp: int, decode_tp: int, head_major: bool) -> None:
     """The prefill side's expected digest against a per-token, per-head copy (qwen: 4 KV heads, replicated at 8)."""
     preset = get_preset("qwen2.5-7b")
     tokens, head_bytes, total = preset.page_tokens, preset.head_dim * preset.dtype_bytes, preset.kv_heads
@@ -91,20 +102,30 @@ def test_expected_digest_matches_a_per_head_oracle(prefill_tp: int, decode_tp: i
         d_heads = preset.heads(decode_tp).kv_heads
         views = []
         for i in range(len(entries)):
-            out = np.zeros((len(src), tokens, d_heads, head_bytes), np.uint8)
+            out = np.zeros(
+                (len(src), d_heads, tokens, head_bytes) if head_major else (len(src), tokens, d_heads, head_bytes),
+                np.uint8,
+            )
             for h in range(d_heads):
                 g = d * total // decode_tp + h if total >= decode_tp else d // (decode_tp // total)
                 # the decode rank's lowest-ranked sender holding head g
                 first = d * prefill_tp // decode_tp
                 senders = range(first, first + max(1, prefill_tp // decode_tp))
                 p_heads = preset.heads(prefill_tp).kv_heads
-                holders = [p for p in senders if (p * p_heads <= g < (p + 1) * p_heads if total >= prefill_tp
-                                                  else p // (prefill_tp // total) == g)]
+                holders = [
+                    p
+                    for p in senders
+                    if (
+                        p * p_heads <= g < (p + 1) * p_heads if total >= prefill_tp else p // (prefill_tp // total) == g
+                    )
+                ]
                 p = holders[0]
                 local = g - p * p_heads if total >= prefill_tp else 0
                 for j, page in enumerate(src):
                     for t in range(tokens):
-                        row = pools[p].views[i][page].reshape(tokens, p_heads, head_bytes)
-                        out[j, t, h] = row[t, local]
+                        if head_major:  # (heads, tokens, head bytes)
+                            out[j, h, t] = pools[p].views[i][page].reshape(p_heads, tokens, head_bytes)[local, t]
+                        else:
+                            out[j, t, h] = pools[p].views[i][page].reshape(tokens, p_heads, head_bytes)[t, local]
             views.append(out.reshape(len(src), -1))
-        assert expected_digest(preset, pools, decode_tp, d, src) == digest(views), f"decode rank {d}"
+        assert expected_digest(preset, pools, decode_tp, d, src, head_major) == digest(views), f"decode rank {d}"

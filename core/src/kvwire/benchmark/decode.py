@@ -110,7 +110,7 @@ def _start(args: dict[str, Any], host: str | None = None) -> tuple[Connection, K
     page_bytes = preset.page_bytes if tp is None else preset.heads(int(tp[0])).page_bytes
     memory = allocate(entries, int(args["pages"]), page_bytes, backing="auto", device=device)
     if tp is not None:
-        memory.layout = preset.rank_layout(memory.layout, int(tp[0]), int(tp[1]))
+        memory.layout = preset.rank_layout(memory.layout, int(tp[0]), int(tp[1]), bool(args.get("head_major")))
     memory.fill_random(int(args["seed"]))
     settings = dict(args.get("config", {}))
     if host is not None:

@@ -60,13 +60,14 @@ class Preset:
                 f"or be a multiple of them"
             )
 
-    def heads(self, tp: int) -> HeadLayout:
+    def heads(self, tp: int, head_major: bool = False) -> HeadLayout:
         """How one rank of an attention-TP group of ``tp`` holds the KV heads (one replicated head when fewer)."""
-        return HeadLayout(max(1, self.kv_heads // tp), self.kv_heads, self.head_dim, self.dtype_bytes, self.page_tokens)
+        held = max(1, self.kv_heads // tp)
+        return HeadLayout(held, self.kv_heads, self.head_dim, self.dtype_bytes, self.page_tokens, head_major)
 
-    def rank_layout(self, layout: KVLayout, tp: int, rank: int) -> KVLayout:
-        """``layout`` (buffers of ``heads(tp).page_bytes``) recording TP size, rank and heads."""
-        return KVLayout(layout.buffers, tp, rank, self.heads(tp))
+    def rank_layout(self, layout: KVLayout, tp: int, rank: int, head_major: bool = False) -> KVLayout:
+        """``layout`` (buffers of ``heads(tp).page_bytes``) recording TP size, rank and heads (in page order)."""
+        return KVLayout(layout.buffers, tp, rank, self.heads(tp, head_major))
 
 
 PRESETS: dict[str, Preset] = {

@@ -62,6 +62,12 @@ def add_tp_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also time the same pages sent whole from a 1-rank prefill to a 1-rank decode (TP sizes other than 1)",
     )
+    parser.add_argument(
+        "--head-major",
+        action="store_true",
+        help="head-major pages on every rank (vLLM's HND): a rank's heads are one run of each page, so head "
+        "slices move one descriptor per page (TP sizes other than 1)",
+    )
 
 
 def uses_tp(args: argparse.Namespace) -> bool:
@@ -73,8 +79,9 @@ def check_tp_arguments(args: argparse.Namespace) -> None:
     """ConfigError for a TP combination the bench cannot run."""
     p, d = args.prefill_tp, args.decode_tp
     if not uses_tp(args):
-        if args.compare_same_tp:
-            raise ConfigError("--compare-same-tp compares TP sizes: give --prefill-tp or --decode-tp other than 1")
+        for flag, on in (("--compare-same-tp", args.compare_same_tp), ("--head-major", args.head_major)):
+            if on:
+                raise ConfigError(f"{flag} is for different TP sizes: give --prefill-tp or --decode-tp other than 1")
         return
     if args.role == "decode":
         raise ConfigError("--prefill-tp and --decode-tp are the prefill side's options (the decode side is sent them)")
@@ -108,10 +115,13 @@ def heads_of(tp: int, rank: int, total: int) -> range:
     return range(rank // (tp // total), rank // (tp // total) + 1)
 
 
-def expected_digest(preset: Preset, pools: Sequence[KVMemory], decode_tp: int, d: int, src: NDArray[np.int64]) -> str:
+def expected_digest(
+    preset: Preset, pools: Sequence[KVMemory], decode_tp: int, d: int, src: NDArray[np.int64], head_major: bool = False
+) -> str:
     """Digest of decode rank ``d``'s target pages as the prefill pools say they must be, in its buffer order.
 
-    Each of the rank's heads comes from the lowest-ranked of its senders that holds it.
+    Each of the rank's heads comes from the lowest-ranked of its senders that holds it. A token-major
+    page is (tokens, heads, head bytes), a head-major one (heads, tokens, head bytes).
     """
     prefill_tp, total = len(pools), preset.kv_heads
     n, tokens, head_bytes = src.shape[0], preset.page_tokens, preset.head_dim * preset.dtype_bytes
@@ -122,8 +132,13 @@ def expected_digest(preset: Preset, pools: Sequence[KVMemory], decode_tp: int, d
         source.append((p, g - heads_of(prefill_tp, p, total).start))
     views = []
     for i in range(len(pools[0].layout.buffers)):
-        gathered = {p: pools[p].host_view(i)[src].reshape(n, tokens, -1, head_bytes) for p in {p for p, _ in source}}
-        views.append(np.stack([gathered[p][:, :, h] for p, h in source], axis=2).reshape(n, -1))
+        pages = {p: pools[p].host_view(i)[src] for p in {p for p, _ in source}}
+        if head_major:
+            gathered = {p: a.reshape(n, -1, tokens, head_bytes) for p, a in pages.items()}
+            views.append(np.stack([gathered[p][:, h] for p, h in source], axis=1).reshape(n, -1))
+        else:
+            gathered = {p: a.reshape(n, tokens, -1, head_bytes) for p, a in pages.items()}
+            views.append(np.stack([gathered[p][:, :, h] for p, h in source], axis=2).reshape(n, -1))
     return digest(views)
 
 
@@ -164,7 +179,7 @@ def _prefill_rank(
 ) -> _Prefill:
     preset = get_preset(args.preset)
     pool = allocate(preset.entries(decode_side=False), pages, preset.heads(tp).page_bytes, backing="auto")
-    pool.layout = preset.rank_layout(pool.layout, tp, rank)
+    pool.layout = preset.rank_layout(pool.layout, tp, rank, bool(args.head_major))
     pool.fill_random(args.seed + 1000 + tp * 100 + rank)
     conn = stack.enter_context(connect(args.backend, config))
     conn.register_kv_buffers(pool.layout)
@@ -188,7 +203,7 @@ def run_tp(
             f"starting {len(ranks)} decode processes (TP {d_tp}{extra}); "
             f"waiting for each to allocate and register {pool_pages} pages"
         )
-        children = _decode_children(stack, decode_args, ranks)
+        children = _decode_children(stack, {**decode_args, "head_major": bool(args.head_major)}, ranks)
         decodes, same_decode = children[:d_tp], children[d_tp:]
         steps(f"allocating and registering {p_tp} prefill rank pools ({args.backend}, {pool_pages} pages each)")
         prefills = [_prefill_rank(stack, args, config, pool_pages, p_tp, p) for p in range(p_tp)]
@@ -228,7 +243,7 @@ def _measure(
     latencies: list[float] = []
     same_seconds = 0.0
     ratios: list[float] = []  # per request: TP throughput / same-TP throughput
-    tp_label = f"TP {args.prefill_tp} -> {args.decode_tp}"
+    tp_label = f"TP {args.prefill_tp} -> {args.decode_tp}" + (", head-major pages" if args.head_major else "")
     series: Series = {tp_label: []}
     if same is not None:
         series["same TP (1 -> 1)"] = []
@@ -248,7 +263,10 @@ def _measure(
         modes: list[tuple[str, list[tuple[_Decode, str]], list[tuple[_Prefill, _Decode]]]] = [
             (
                 "tp",
-                [(dec, expected_digest(preset, pools, len(decodes), d, src64)) for d, dec in enumerate(decodes)],
+                [
+                    (dec, expected_digest(preset, pools, len(decodes), d, src64, args.head_major))
+                    for d, dec in enumerate(decodes)
+                ],
                 pairs,
             ),
         ]
@@ -281,6 +299,7 @@ def _measure(
         args.requests, args.tokens, total, latencies, verified=verified, guards=guards, descriptors=(before, after)
     )
     result["rank_pairs"] = len(pairs)
+    result["head_major"] = bool(args.head_major)
     if same is not None:
         result["same_tp_bytes"] = same_total
         result["same_tp_gbps"] = round(same_total / same_seconds / 1e9, 3) if same_seconds else 0.0
@@ -298,7 +317,8 @@ def tp_rows(r: dict[str, Any]) -> tuple[list[Row], list[Row]]:
         (
             "attention TP",
             f"prefill {r['prefill_tp']} -> decode {r['decode_tp']}, "
-            f"{r['rank_pairs']} rank pairs per request (sent one after another, timed together)",
+            f"{r['rank_pairs']} rank pairs per request (sent one after another, timed together)"
+            + (", head-major pages" if r.get("head_major") else ", token-major pages"),
         )
     ]
     tail = []

@@ -98,15 +98,18 @@ class KVBuffer:
 
 @dataclass(frozen=True)
 class HeadLayout:
-    """How a head-sliced (MHA/GQA) rank's pages hold KV heads: sglang's token-major page.
+    """How a head-sliced (MHA/GQA) rank's pages hold KV heads: token-major (sglang's) or head-major (HND).
 
-    A page of a K or a V buffer is ``tokens_per_page x kv_heads x head_dim``
-    elements of ``elem_bytes``: token ``t``, local head ``h`` starts at byte
-    ``(t * kv_heads + h) * head_dim * elem_bytes`` of the page (sglang's
-    ``send_kvcache_slice`` addresses exactly this). ``kv_heads`` is what this
-    rank holds, ``total_kv_heads`` the model's: with fewer KV heads than the
-    TP size each rank holds one head, replicated on ``tp // total_kv_heads``
-    consecutive ranks.
+    A token-major page of a K or a V buffer is ``tokens_per_page x kv_heads x
+    head_dim`` elements of ``elem_bytes``: token ``t``, local head ``h`` starts at
+    byte ``(t * kv_heads + h) * head_dim * elem_bytes`` of the page (sglang's
+    ``send_kvcache_slice`` addresses exactly this). A ``head_major`` page is
+    ``kv_heads x tokens_per_page x head_dim`` (vLLM's HND): head ``h``, token
+    ``t`` at ``(h * tokens_per_page + t) * head_dim * elem_bytes``, so a range of
+    heads is one contiguous run of the page and moves as one descriptor
+    between different TP sizes. ``kv_heads`` is what this rank holds,
+    ``total_kv_heads`` the model's: with fewer KV heads than the TP size each
+    rank holds one head, replicated on ``tp // total_kv_heads`` consecutive ranks.
     """
 
     kv_heads: int
@@ -114,8 +117,11 @@ class HeadLayout:
     head_dim: int
     elem_bytes: int
     tokens_per_page: int
+    head_major: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.head_major, bool):
+            raise LayoutError(f"HeadLayout.head_major must be a bool, got {type(self.head_major).__name__}")
         for name in _HEAD_FIELDS:
             value = _check_int(getattr(self, name), f"HeadLayout.{name}", 1)
             if value > _COUNT_LIMIT:

@@ -3,7 +3,9 @@
 The wire format (``kvwire.layout`` version 1) carries the buffers and, each
 only when recorded, ``attn_tp_size``, ``attn_tp_rank`` and ``heads`` (an object
 of ``kv_heads``, ``total_kv_heads``, ``head_dim``, ``elem_bytes``,
-``tokens_per_page``). A description without the optional fields parses as
+``tokens_per_page``, and ``head_major: true`` for head-major pages, written
+only then: a kvwire that predates it refuses such a description as an unknown
+field instead of slicing it token by token). A description without the optional fields parses as
 before (same-TP planning only); every field is parsed strictly since it comes
 from another process.
 """
@@ -42,17 +44,19 @@ def layout_to_dict(layout: KVLayout) -> dict[str, Any]:
         data["attn_tp_rank"] = layout.attn_tp_rank
     if layout.heads is not None:
         data["heads"] = {f: getattr(layout.heads, f) for f in _HEAD_FIELDS}
+        if layout.heads.head_major:  # written only when set: a token-major description reads as before
+            data["heads"]["head_major"] = True
     return data
 
 
-def _fields(item: object, fields: tuple[str, ...], where: str) -> dict[str, Any]:
+def _fields(item: object, fields: tuple[str, ...], where: str, optional: tuple[str, ...] = ()) -> dict[str, Any]:
     if not isinstance(item, Mapping):
         raise LayoutError(f"layout description: {where} must be an object")
     missing = [f for f in fields if f not in item]
-    extra = sorted(map(str, set(item) - set(fields)))
+    extra = sorted(map(str, set(item) - set(fields) - set(optional)))
     if missing or extra:
         raise LayoutError(f"layout description: {where} has missing fields {missing} / unknown fields {extra}")
-    return {f: item[f] for f in fields}
+    return {f: item[f] for f in (*fields, *optional) if f in item}
 
 
 def layout_fields_from_dict(data: Mapping[str, Any]) -> tuple[tuple[KVBuffer, ...], Any, Any, HeadLayout | None]:
@@ -83,7 +87,7 @@ def layout_fields_from_dict(data: Mapping[str, Any]) -> tuple[tuple[KVBuffer, ..
         raise LayoutError(f"layout description: unknown fields {extra}")
     heads = None
     if data.get("heads") is not None:
-        fields = _fields(data["heads"], _HEAD_FIELDS, "heads")
+        fields = _fields(data["heads"], _HEAD_FIELDS, "heads", optional=("head_major",))
         try:
             heads = HeadLayout(**fields)
         except LayoutError as exc:

@@ -3,10 +3,14 @@
 With MHA/GQA each attention-TP rank holds a contiguous slice of the model's
 KV heads, so when the prefill (TP size ``P``) and the decode (TP size ``D``)
 differ a prefill page does not match a decode page: every token of every page
-must carry just the heads the two ranks share. Pages are sglang's token-major
-layout (:class:`~kvwire.layout.kv_layout.HeadLayout`): token ``t``, local head ``h`` at
+must carry just the heads the two ranks share. Token-major pages (sglang's;
+:class:`~kvwire.layout.kv_layout.HeadLayout`): token ``t``, local head ``h`` at
 byte ``(t * kv_heads + h) * head_dim * elem_bytes`` of the page, as sglang's
-``send_kvcache_slice`` addresses them.
+``send_kvcache_slice`` addresses them, so the shared heads are one descriptor
+per token. Head-major pages (vLLM's HND, ``head_major``): head ``h``, token
+``t`` at ``(h * tokens_per_page + t) * head_dim * elem_bytes``, so the shared
+heads are one contiguous run: one descriptor per page. Both sides must use
+the same order.
 
 This applies when the sizes differ and both layouts record their rank
 (``attn_tp_rank``; MHA also ``heads``); layouts without ranks (older
@@ -97,9 +101,10 @@ class Slicing:
     ``sends`` is False when this rank sends the decode rank nothing (a replica
     another sender covers). ``whole_pages``: the moved heads fill whole token
     rows on both sides (or MLA), so pages move whole and coalesce as usual.
-    Else each token of each page moves ``length`` bytes from byte
-    ``src_tokens[t]`` of the source page to byte ``dst_tokens[t]`` of the
-    destination page.
+    Else each row ``r`` of each page moves ``length`` bytes from byte
+    ``src_tokens[r]`` of the source page to byte ``dst_tokens[r]`` of the
+    destination page: a row per token for token-major pages, one row per
+    page (all tokens of the moved heads) for head-major ones.
     """
 
     prefill: tuple[int, int]  # (TP size, rank)
@@ -107,7 +112,7 @@ class Slicing:
     sends: bool  # False: this rank sends the decode rank nothing (another sender covers it)
     heads: range  # global KV heads moved (MHA)
     whole_pages: bool
-    length: int  # bytes per token (head-sliced plans)
+    length: int  # bytes per row (head-sliced plans)
     src_page_bytes: int
     dst_page_bytes: int
     src_tokens: NDArray[np.int64]  # (tokens,) byte offsets of the moved slice in a source page
@@ -115,6 +120,7 @@ class Slicing:
 
     @property
     def tokens(self) -> int:
+        """Rows (descriptors) per page: the tokens of a token-major page, 1 for a head-major one."""
         return int(self.src_tokens.shape[0])
 
 
@@ -128,7 +134,13 @@ def _need(local: KVLayout, peer: KVLayout, tps: str) -> None:
 
 
 def _check_heads(a: HeadLayout, b: HeadLayout) -> None:
-    """Both sides describe the same model's KV heads (same heads, head_dim, dtype, page tokens)."""
+    """Both sides describe the same model's KV heads (same heads, head_dim, dtype, page tokens, page order)."""
+    if a.head_major != b.head_major:
+        order = {True: "head-major", False: "token-major"}
+        raise InvalidTransferError(
+            f"page order mismatch: the prefill layout's pages are {order[a.head_major]}, the decode layout's "
+            f"{order[b.head_major]}; head slices move only between pages of the same order"
+        )
     for field, what in (
         ("total_kv_heads", "KV head count mismatch"),
         ("head_dim", "head_dim mismatch"),
@@ -210,13 +222,19 @@ def slicing_of(local: KVLayout, peer: KVLayout) -> Slicing | None:
             f"internal planning error: heads {heads.start}..{heads.stop - 1} do not fit the token rows "
             f"({src_off}+{length} of {src.row_bytes}, {dst_off}+{length} of {dst.row_bytes}); no plan was returned"
         )
+    whole = length == src.row_bytes == dst.row_bytes
+    if src.head_major:  # the moved heads of every token: one run of the page, at the same ratio
+        n = src.tokens_per_page
+        rows_src, rows_dst = np.array([src_off * n], np.int64), np.array([dst_off * n], np.int64)
+        pages = (src.page_bytes, dst.page_bytes)
+        return Slicing((p_tp, p), (d_tp, d), True, heads, whole, length * n, *pages, frozen(rows_src), frozen(rows_dst))
     t = np.arange(src.tokens_per_page, dtype=np.int64)
     return Slicing(
         (p_tp, p),
         (d_tp, d),
         True,
         heads,
-        length == src.row_bytes == dst.row_bytes,
+        whole,
         length,
         src.page_bytes,
         dst.page_bytes,
