@@ -358,11 +358,3 @@ def test_a_pipeline_stage_numbers_its_layers_from_its_first_so_they_land_on_the_
         assert (dst[decode_buffer, [1, 5]] == src[stage_buffer, [1, 5]]).all()
     untouched = [b for b in range(8) if b not in (k2, k3, v2, v3)]
     assert (dst[untouched] == before[untouched]).all()
-
-
-def test_draft_model_kv_is_refused_at_start_instead_of_mislabelled() -> None:
-    manager = object.__new__(_Manager)
-    manager.kv_args = SimpleNamespace(num_draft_entries=2)  # type: ignore[attr-defined]
-    with pytest.raises(LayoutError) as exc:
-        manager.kvwire_local_layout()
-    assert str(exc.value).startswith("kvwire-sglang does not support draft-model KV (speculative decoding) yet")

@@ -7,10 +7,11 @@ import inspect
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from kvwire.compat.sglang import KvwireManagerMixin, KvwireSendMixin
+from kvwire.compat.sglang import KvwireManagerMixin, KvwireSendMixin, layout_from_kv_args
 from kvwire.spec import CURRENT, spec_hooks
 
 pytestmark = pytest.mark.slow
@@ -148,3 +149,70 @@ def test_every_method_the_manager_mixin_overrides_exists_in_sglang_with_the_same
         ours = _params(own.body[0])  # type: ignore[arg-type]
         # names, kinds and defaults as sglang calls them; the annotations are the mixin's own
         assert [(k, n, d) for k, n, _, d in ours] == [(k, n, d) for k, n, _, d in theirs], name
+
+
+# -- draft-model KV and HiSparse: what sglang 0.5.23 builds, as kvwire reads it --------------------------------
+
+
+@pytest.fixture(scope="module")
+def disaggregation_dir(sglang_source: Callable[[str], Path]) -> Path:
+    return sglang_source("0.5.23") / "sglang" / "srt" / "disaggregation"
+
+
+def _function(path: Path, name: str) -> Callable[..., Any]:
+    """A pure module-level function of sglang's source, compiled on its own (its module is never imported)."""
+    tree = ast.parse(path.read_text(), str(path))
+    (node,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    namespace: dict[str, Any] = {"List": list}
+    exec(compile(ast.Module([node], []), str(path), "exec"), namespace)
+    function: Callable[..., Any] = namespace[name]
+    return function
+
+
+def test_kvwire_reads_a_hybrid_pools_draft_band_as_sglangs_own_remap_builds_it(disaggregation_dir: Path) -> None:
+    """build_kv_layer_ids: target ids (``layer_ids * 2`` for MHA), then _remap_draft_layer_ids of the draft's."""
+    remap = _function(disaggregation_dir / "utils.py", "_remap_draft_layer_ids")
+    mha = [3, 5, 3, 5, *remap([0, 1, 0, 1], 6)]  # a draft pool of 2 layers registers k0 k1 v0 v1
+    mla = [3, 5, *remap([0, 1], 61)]
+    assert (mha, mla) == ([3, 5, 3, 5, 6, 7, 6, 7], [3, 5, 61, 62])
+    n = len(mha)
+    layout = layout_from_kv_args(
+        [4096 * (i + 1) for i in range(n)],
+        [1024] * n,
+        [256] * n,
+        mha,
+        attention="mha",
+        memory="host",
+        num_draft_entries=4,
+    )
+    assert [(b.layer, b.role) for b in layout.buffers] == [
+        (3, "k"),
+        (5, "k"),
+        (3, "v"),
+        (5, "v"),
+        (6, "k"),
+        (7, "k"),
+        (6, "v"),
+        (7, "v"),
+    ]
+    latent = layout_from_kv_args(
+        [4096, 8192, 12288, 16384], [1024] * 4, [256] * 4, mla, attention="mla", memory="host", num_draft_entries=2
+    )
+    assert [b.layer for b in latent.buffers] == [3, 5, 61, 62]
+
+
+def test_sglang_appends_draft_kv_after_the_targets_and_a_hisparse_decode_registers_it_from_the_device(
+    disaggregation_dir: Path,
+) -> None:
+    """The orders kvwire-sglang's labels rely on, in sglang 0.5.23's own source (drift here means relabelling)."""
+    prefill = " ".join((disaggregation_dir / "prefill.py").read_text().split())
+    decode = " ".join((disaggregation_dir / "decode.py").read_text().split())
+    conn = " ".join((disaggregation_dir / "mooncake" / "conn.py").read_text().split())
+    for source in (prefill, decode):
+        assert "kv_data_ptrs += draft_kv_data_ptrs" in source
+        assert "num_draft_entries = len(draft_kv_data_ptrs)" in source
+    # the decode: the target's buffers from the HiSparse host pool (DRAM), the draft's from the device (VRAM)
+    assert "self.scheduler.hisparse_coordinator.mem_pool_host if self.scheduler.enable_hisparse" in decode
+    assert 'kv_data_mem_kinds += ["VRAM"] * len(draft_kv_data_ptrs)' in decode
+    # the prefill's send: the last num_draft_entries destination buffers take the device page ids
+    assert "host_backed_kv_count = len(dst_kv_ptrs) - num_draft_entries" in conn

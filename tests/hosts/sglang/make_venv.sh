@@ -6,7 +6,8 @@
 #
 # Everything is installed --no-deps: sglang's declared dependencies pull a CUDA torch of several GB.
 # Order: pip/setuptools bootstrap, sglang==0.5.23, the local CPU torch wheel, requirements.txt, the
-# torchvision stub, the Mooncake engine, kvwire core, plugins/mooncake and hosts/sglang (editable).
+# torchvision stub, the Mooncake engine, kvwire core, plugins/mooncake, plugins/hisparse and hosts/sglang
+# (editable; kvwire-hisparse so that the prefill serves HiSparse split destinations, as a deployment would).
 #
 # Idempotent: VENV/.kvwire-sglang-stamp holds a sha256 over requirements.txt, this script and the
 # stub's sources (plus the pins below); when it matches, nothing is done (and no network is needed).
@@ -112,10 +113,11 @@ if [ -x "$REPO/.venv/bin/python" ]; then  # the repo's own venv is the reference
     [ -z "$have" ] || [ "$have" = "${MOONCAKE_ENGINE##*==}" ] \
         || say "warning: $REPO/.venv has mooncake-transfer-engine-non-cuda $have, this venv ${MOONCAKE_ENGINE##*==}"
 fi
-pip_install --no-build-isolation -e "$REPO/core" -e "$REPO/plugins/mooncake" -e "$REPO/hosts/sglang"
+pip_install --no-build-isolation -e "$REPO/core" -e "$REPO/plugins/mooncake" -e "$REPO/plugins/hisparse" \
+    -e "$REPO/hosts/sglang"
 
 # Fail here, not in the tests, if the chain no longer imports.
-"$VENV/bin/python" -W ignore -c "import sglang.srt.disaggregation.mooncake.conn, kvwire, kvwire_mooncake" \
+"$VENV/bin/python" -W ignore -c "import sglang.srt.disaggregation.mooncake.conn, kvwire, kvwire_mooncake, kvwire_hisparse" \
     || die 1 "import check failed in $VENV"
 
 printf '%s\n' "$WANT" >"$STAMP"

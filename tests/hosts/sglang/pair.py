@@ -178,7 +178,7 @@ def run_pair(scenario: str, mode: str, timeout_s: float = 120, env: Mapping[str,
         for p in sc.processes():
             cmd = [str(SGLANG_PYTHON), str(HERE / "side.py"), "--role", p.role, "--scenario", scenario]
             cmd += ["--mode", mode, "--bootstrap-port", str(port), "--room", str(room)]
-            cmd += ["--rank", str(p.rank), "--server", str(p.server)]
+            cmd += ["--rank", str(p.rank), "--server", str(p.server), "--stage", str(p.stage)]
             cmd += ["--workdir", str(work), "--timeout-s", str(max(timeout_s - 10, 5))]
             with open(work / f"{p.name}.out", "wb") as out, open(work / f"{p.name}.err", "wb") as err:
                 procs[p.name] = subprocess.Popen(

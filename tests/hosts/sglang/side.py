@@ -16,13 +16,18 @@ call ``send_kvcache`` / ``send_kvcache_slice``), ``MooncakeKVSender`` and
 ``MooncakeKVReceiver``, all sglang's. Ours: the KV pools (CPU fp16 tensors of
 random bytes standing in for a model's pools), ``KVArgs`` filled the way sglang's
 ``PrefillBootstrapQueue`` / ``DecodePreallocQueue._init_kv_manager`` fill it for
-that pool shape and rank, and one stand-in, a one-rank ``pp_group`` (there is no
-torch.distributed; nothing else of sglang's reads a process group here).
+that pool shape and rank (draft-model KV appended, a HiSparse decode's
+``device_kv_indices`` sent, as sglang does), and one stand-in, the ``pp_group``
+(there is no torch.distributed): one rank, or for a prefill of several pipeline
+stages :class:`FilePpGroup`, whose one collective (``broadcast_object``, used by
+sglang's ``PPConsensusStore``) goes through a file; nothing else of sglang's reads
+a process group here.
 
 Processes: a scenario has ``prefill_tp`` prefill ranks (one prefill server; rank 0
 also hosts its bootstrap server, as the prefill server's main process does) and
 ``decode_servers`` decode servers of ``decode_tp`` ranks each; every process is one
-TP rank with its own engine and manager, as in a real deployment. Each decode
+TP rank (of one pipeline stage, ``--stage``, when the prefill has ``prefill_pp``) with
+its own engine and manager, as in a real deployment. Each decode
 server has its own request (bootstrap room) per repetition. See
 :meth:`Scenario.processes` for the process names.
 
@@ -87,6 +92,7 @@ class Proc:
     role: str
     server: int  # decode server index (always 0 for the prefill)
     rank: int  # TP rank within its server
+    stage: int = 0  # pipeline stage (a prefill of prefill_pp stages; always 0 for the decode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +114,16 @@ class Scenario:
     request must turn Failed on the prefill within ``fail_within_s``. ``repeats``:
     requests per decode server, one after the other (the destination pages are
     zeroed between them).
+
+    Draft-model KV (speculative decoding): ``draft_layers`` layers of a draft pool of
+    the same page shape, appended after the target's buffers as sglang appends them
+    (``num_draft_entries``), on the decode and, unless ``prefill_draft`` is False (a
+    prefill deployed without speculative decoding), on the prefill. A hybrid pool
+    numbers them in sglang's band, ``num_hidden_layers + i``. ``hisparse``: the decode
+    runs with ``enable_hisparse``: its target buffers are its host pool and its draft
+    buffers device buffers, addressed by the ``device_dst_pages`` it sends as sglang's
+    ``device_kv_indices``. ``prefill_backend``: the kvwire backend the prefill's
+    manager is forced to (None: kvwire-sglang's own choice).
     """
 
     name: str
@@ -130,6 +146,13 @@ class Scenario:
     fail_within_s: float = 30.0
     repeats: int = 1
     bench: bool = False  # a throughput shape: left out of the default runs
+    draft_layers: int = 0
+    prefill_draft: bool = True
+    num_hidden_layers: int = 6  # sglang's model_config.num_hidden_layers: the base of a hybrid pool's draft band
+    hisparse: bool = False
+    device_dst_pages: tuple[int, ...] = ()
+    prefill_backend: str | None = None
+    prefill_pp: int = 1  # pipeline stages of the prefill (the decode has one): each holds its share of the layers
 
     @property
     def hybrid(self) -> bool:
@@ -137,8 +160,18 @@ class Scenario:
 
     @property
     def num_buffers(self) -> int:
-        """sglang's KV buffer count: K of every layer then V of every layer (MHA), one per layer (MLA)."""
+        """The target model's KV buffer count: K of every layer then V of every layer (MHA), one per layer (MLA)."""
         return self.num_layers if self.mla else 2 * self.num_layers
+
+    def draft_entries(self, role: str) -> int:
+        """``KVArgs.num_draft_entries`` of ``role``: the draft pool's buffers appended after the target's."""
+        if role == "prefill" and not self.prefill_draft:
+            return 0
+        return self.draft_layers if self.mla else 2 * self.draft_layers
+
+    def buffers_of(self, role: str) -> int:
+        """Every KV buffer ``role`` registers: the target's, then the draft's."""
+        return self.num_buffers + self.draft_entries(role)
 
     def tp(self, role: str) -> int:
         return self.prefill_tp if role == "prefill" else self.decode_tp
@@ -169,12 +202,35 @@ class Scenario:
         heads, dim = self.row_shape(len(self.heads_of(self.tp(role), 0)))
         return self.page_size * heads * dim * 2
 
-    def kv_layer_ids(self) -> list[int]:
-        """``KVArgs.kv_layer_ids`` as sglang's ``build_kv_layer_ids`` builds it for this pool."""
+    def kv_layer_ids(self, role: str = "prefill", stage: int = 0) -> list[int]:
+        """``KVArgs.kv_layer_ids`` of ``role`` as sglang's ``build_kv_layer_ids`` builds it for this pool.
+
+        A draft pool's entries are remapped by sglang's own ``_remap_draft_layer_ids``
+        into the band above ``num_hidden_layers`` (imported, so only in the sglang venv).
+        A prefill pipeline stage's pool reports its own layers' ids.
+        """
         if self.layer_ids is None:
             return []
         ids = list(self.layer_ids)
-        return ids if self.mla else ids * 2
+        if role == "prefill" and self.prefill_pp > 1:
+            ids = [ids[i] for i in self.stage_layers(stage)]
+        target = ids if self.mla else ids * 2
+        drafts = self.draft_entries(role)
+        if not drafts:
+            return target
+        from sglang.srt.disaggregation.utils import _remap_draft_layer_ids
+
+        # _draft_entry_layer_ids of a plain draft pool: its layers 0..n-1 once per K/V group
+        draft_ids = list(range(self.draft_layers)) * (drafts // self.draft_layers)
+        return target + [int(i) for i in _remap_draft_layer_ids(draft_ids, self.num_hidden_layers)]
+
+    def sources(self) -> list[tuple[int | None, bool]]:
+        """For each decode buffer: the prefill buffer that fills it (None: nothing may), and whether its pages
+        are the device ones (``device_dst_pages``: a HiSparse decode's draft buffers)."""
+        fill = self.buffers_of("prefill")
+        return [
+            (i if i < fill else None, self.hisparse and i >= self.num_buffers) for i in range(self.buffers_of("decode"))
+        ]
 
     def src_pages_of(self, server: int) -> tuple[int, ...]:
         """The prefill pages decode server ``server``'s request moves (``src_pages`` shifted by ``server``)."""
@@ -188,18 +244,28 @@ class Scenario:
         """Every process, prefill ranks first.
 
         Names: ``prefill`` and ``decode`` for rank 0 (of decode server 0), ``-rN`` added
-        for TP rank N, ``-sN`` for decode server N (``prefill-r1``, ``decode-r1``, ``decode-s1``).
+        for TP rank N, ``-sN`` for decode server N, ``-pN`` for pipeline stage N of the
+        prefill (``prefill-r1``, ``decode-r1``, ``decode-s1``, ``prefill-p1``).
         """
-        procs = [Proc("prefill" + (f"-r{r}" if r else ""), "prefill", 0, r) for r in range(self.prefill_tp)]
+        procs = [
+            Proc("prefill" + (f"-p{st}" if st else "") + (f"-r{r}" if r else ""), "prefill", 0, r, st)
+            for st in range(self.prefill_pp)
+            for r in range(self.prefill_tp)
+        ]
         for s in range(self.decode_servers):
             for r in range(self.decode_tp):
                 name = "decode" + (f"-s{s}" if s else "") + (f"-r{r}" if r else "")
                 procs.append(Proc(name, "decode", s, r))
         return procs
 
-    def proc(self, role: str, server: int, rank: int) -> Proc:
-        (found,) = [p for p in self.processes() if (p.role, p.server, p.rank) == (role, server, rank)]
+    def proc(self, role: str, server: int, rank: int, stage: int = 0) -> Proc:
+        (found,) = [p for p in self.processes() if (p.role, p.server, p.rank, p.stage) == (role, server, rank, stage)]
         return found
+
+    def stage_layers(self, stage: int) -> range:
+        """The layers pipeline stage ``stage`` of the prefill holds (sglang's ``start_layer``..``end_layer``)."""
+        per = self.num_layers // self.prefill_pp
+        return range(stage * per, stage * per + per)
 
     def killed(self) -> list[Proc]:
         """The processes the driver SIGKILLs (every rank of decode server ``killed_decode``)."""
@@ -208,6 +274,8 @@ class Scenario:
 
 #: Source and destination pages: out of order, not contiguous, a run of two (7, 8 -> 3, 4).
 _SRC, _DST = (2, 7, 8, 0), (9, 3, 4, 11)
+#: A HiSparse decode's device pages for the same request: ids of their own (7, 8 -> 10, 11).
+_DEVICE_DST = (5, 10, 11, 1)
 
 
 _KILLED = Scenario(
@@ -278,6 +346,91 @@ SCENARIOS: dict[str, Scenario] = {
         _KILLED,
         # The same, but the first decode dies after a first request to each decode succeeded.
         dataclasses.replace(_KILLED, name="killed-decode-warm", killed_at_rep=1, repeats=2),
+        # Draft-model KV (speculative decoding): 2 draft layers appended after the 2 target layers, on both sides.
+        Scenario("draft-mha", mla=False, num_layers=2, layer_ids=None, src_pages=_SRC, dst_pages=_DST, draft_layers=2),
+        Scenario("draft-mla", mla=True, num_layers=2, layer_ids=None, src_pages=_SRC, dst_pages=_DST, draft_layers=2),
+        # Hybrid pools: the draft's entries in sglang's band, num_hidden_layers (6) + i.
+        Scenario(
+            "draft-hybrid-mha",
+            mla=False,
+            num_layers=2,
+            layer_ids=(3, 5),
+            src_pages=_SRC,
+            dst_pages=_DST,
+            draft_layers=2,
+        ),
+        # The decode has a draft layer, the prefill none (sglang's get_mha_kv_ptrs_with_pp case): it stays unwritten.
+        Scenario(
+            "draft-decode-only",
+            mla=False,
+            num_layers=2,
+            layer_ids=None,
+            src_pages=_SRC,
+            dst_pages=_DST,
+            draft_layers=1,
+            prefill_draft=False,
+        ),
+        # The same with as many draft layers as target layers: sglang's positional pairing writes the target's V
+        # into the decode's draft K buffers here (get_mha_kv_ptrs_with_pp); kvwire pairs by layer.
+        Scenario(
+            "draft-decode-only-2",
+            mla=False,
+            num_layers=2,
+            layer_ids=None,
+            src_pages=_SRC,
+            dst_pages=_DST,
+            draft_layers=2,
+            prefill_draft=False,
+        ),
+        # HiSparse decode: the target KV in its host pool, the draft KV on the device with device page ids.
+        Scenario(
+            "hisparse-mla",
+            mla=True,
+            num_layers=2,
+            layer_ids=None,
+            src_pages=_SRC,
+            dst_pages=_DST,
+            draft_layers=1,
+            hisparse=True,
+            device_dst_pages=_DEVICE_DST,
+        ),
+        Scenario(
+            "hisparse-mha",
+            mla=False,
+            num_layers=2,
+            layer_ids=None,
+            src_pages=_SRC,
+            dst_pages=_DST,
+            draft_layers=1,
+            hisparse=True,
+            device_dst_pages=_DEVICE_DST,
+        ),
+        # The same, the prefill forced onto kvwire-mooncake (no device_kv_indices): refused, nothing written.
+        Scenario(
+            "hisparse-on-mooncake",
+            mla=True,
+            num_layers=2,
+            layer_ids=None,
+            src_pages=_SRC,
+            dst_pages=_DST,
+            draft_layers=1,
+            hisparse=True,
+            device_dst_pages=_DEVICE_DST,
+            expect_success=False,
+            prefill_backend="mooncake",
+        ),
+        # A prefill of 2 pipeline stages (layers 0-1 and 2-3, each its own process) into one decode of 4 layers.
+        Scenario("pp-2-1", mla=False, num_layers=4, layer_ids=None, src_pages=_SRC, dst_pages=_DST, prefill_pp=2),
+        # The same with a hybrid pool: each stage reports its layers' ids (3, 5 and 7, 9), the decode all four.
+        Scenario(
+            "pp-2-1-hybrid",
+            mla=False,
+            num_layers=4,
+            layer_ids=(3, 5, 7, 9),
+            src_pages=_SRC,
+            dst_pages=_DST,
+            prefill_pp=2,
+        ),
         # Throughput shapes (bench/sglang_throughput.py): 16 MiB and 64 MiB per request.
         bench_scenario("throughput", moved=64, repeats=9),
         bench_scenario("throughput-256", moved=256, repeats=9),
@@ -308,13 +461,21 @@ def global_kv_buffers(scenario: Scenario, role: str, server: int = 0) -> list[An
     pages = scenario.pool_pages(role) + GUARD_PAGES
     heads, dim = scenario.row_shape(scenario.kv_heads)
     base = 1000 if role == "prefill" else 2000 + 100 * server
-    return [random_bytes(base + i, (pages, scenario.page_size, heads, dim)) for i in range(scenario.num_buffers)]
+    return [random_bytes(base + i, (pages, scenario.page_size, heads, dim)) for i in range(scenario.buffers_of(role))]
 
 
-def kv_buffers(scenario: Scenario, role: str, rank: int = 0, server: int = 0) -> list[Any]:
-    """The KV buffers of one rank's pool (its heads of :func:`global_kv_buffers`, guard pages included)."""
+def kv_buffers(scenario: Scenario, role: str, rank: int = 0, server: int = 0, stage: int = 0) -> list[Any]:
+    """The KV buffers of one rank's pool (its heads of :func:`global_kv_buffers`, guard pages included).
+
+    A prefill pipeline stage holds its layers' buffers (K of each, then V of each).
+    """
     heads = scenario.heads_of(scenario.tp(role), rank)
     whole = global_kv_buffers(scenario, role, server)
+    if role == "prefill" and scenario.prefill_pp > 1:
+        assert not scenario.draft_layers, "a pipeline-parallel prefill with draft KV is not a scenario here"
+        layers = list(scenario.stage_layers(stage))
+        picks = layers if scenario.mla else layers + [scenario.num_layers + i for i in layers]
+        whole = [whole[i] for i in picks]
     if scenario.mla or len(heads) == scenario.kv_heads:
         return whole
     return [t[:, :, heads.start : heads.stop, :].contiguous() for t in whole]
@@ -351,17 +512,54 @@ class OnePpRankGroup:
     ranks = (0,)
 
 
+class FilePpGroup:
+    """Stand-in for sglang's ``pp_group`` of a prefill with several pipeline stages, one process each.
+
+    sglang's ``PPConsensusStore`` (the prefill's request status when ``pp_size > 1``) uses
+    the group once, to broadcast stage 0's ZMQ address (``broadcast_object``); the rest
+    is its own ZMQ. Here stage 0 writes the object to a file in the work directory and
+    the other stages read it.
+    """
+
+    def __init__(self, stage: int, stages: int, workdir: Path) -> None:
+        self.rank_in_group, self.world_size, self.workdir = stage, stages, workdir
+        self.is_first_rank, self.is_last_rank = stage == 0, stage == stages - 1
+        self.ranks = tuple(range(stages))
+        self._calls = 0
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        import pickle
+
+        self._calls += 1
+        path = self.workdir / f"pp-broadcast-{self._calls}.pickle"
+        if self.rank_in_group == src:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(pickle.dumps(obj))
+            tmp.rename(path)
+            return obj
+        deadline = time.monotonic() + 60
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"pp_group.broadcast_object: {path} never appeared")
+            time.sleep(0.02)
+        return pickle.loads(path.read_bytes())
+
+
 def is_mla_backend(scenario: Scenario) -> bool:
     """sglang's ``is_mla_backend(token_to_kv_pool)``: True for an MLA pool, False for a hybrid (linear) pool."""
     return scenario.mla and not scenario.hybrid
 
 
-def publish_server_args(scenario: Scenario, role: str, rank: int, bootstrap_port: int) -> Any:
+def publish_server_args(
+    scenario: Scenario, role: str, rank: int, bootstrap_port: int, stage: int = 0, workdir: Path | None = None
+) -> Any:
     """sglang's ``ServerArgs`` for this role (``tp_size`` of its server), published for TP rank ``rank``.
 
     ``publish(..., ranks=SpawnRanks(world_rank=rank))`` is what sglang's launcher does
     for each scheduler process: sglang derives ``tp_rank``, ``attn_tp_size`` and
     ``attn_tp_rank`` from it (and ``CommonKVManager`` reads them there). Checked.
+    A prefill of ``prefill_pp`` stages: world rank ``rank + tp_size * stage``, from
+    which sglang derives ``pp_rank``, and the :class:`FilePpGroup` stand-in.
     """
     from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
         maybe_init_shared_mooncake_transfer_engine,
@@ -370,6 +568,7 @@ def publish_server_args(scenario: Scenario, role: str, rank: int, bootstrap_port
     from sglang.srt.server_args import ServerArgs
 
     tp = scenario.tp(role)
+    pp = scenario.prefill_pp if role == "prefill" else 1
     sa = ServerArgs(
         model_path="dummy",
         disaggregation_mode=role,
@@ -379,38 +578,50 @@ def publish_server_args(scenario: Scenario, role: str, rank: int, bootstrap_port
         device="cpu",
         page_size=scenario.page_size,
         tp_size=tp,
+        enable_hisparse=scenario.hisparse and role == "decode",
+        pp_size=pp,
     )
-    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=rank))
+    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank + tp * stage, gpu_id=rank))
     parallel = get_parallel()
-    parallel.override_permanently(pp_group=OnePpRankGroup())
-    got = (parallel.tp_rank, parallel.attn_tp_size, parallel.attn_tp_rank)
-    assert got == (rank, tp, rank), f"sglang derived (tp_rank, attn_tp_size, attn_tp_rank) = {got}"
+    group = OnePpRankGroup() if pp == 1 else FilePpGroup(stage, pp, workdir or Path("."))
+    parallel.override_permanently(pp_group=group)
+    got = (parallel.tp_rank, parallel.attn_tp_size, parallel.attn_tp_rank, parallel.pp_size, parallel.pp_rank)
+    want = (rank, tp, rank, pp, stage)
+    assert got == want, f"sglang derived (tp_rank, attn_tp_size, attn_tp_rank, pp_size, pp_rank) = {got}"
     # sglang's own choice of engine: mooncake PD -> init_mooncake_transfer_engine(get_local_ip_auto(), ...)
     maybe_init_shared_mooncake_transfer_engine(gpu_id=rank)
     return sa
 
 
-def build_kv_args(scenario: Scenario, role: str, rank: int, sa: Any, kv: list[Any], aux: list[Any]) -> Any:
-    """``KVArgs`` as sglang's ``_init_kv_manager`` fills it (prefill.py / decode.py), for TP rank ``rank``, no PP."""
+def build_kv_args(
+    scenario: Scenario, role: str, rank: int, sa: Any, kv: list[Any], aux: list[Any], stage: int = 0
+) -> Any:
+    """``KVArgs`` as sglang's ``_init_kv_manager`` fills it (prefill.py / decode.py), for TP rank ``rank``.
+
+    A prefill pipeline stage: ``pp_rank`` and its layers' ``prefill_start_layer`` / ``prefill_end_layer``.
+    """
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     page_bytes = scenario.page_bytes(role)
     a = get_kv_class(TransferBackend.MOONCAKE, KVClassType.KVARGS)()
     # prefill.py: engine_rank = self.tp_rank; decode.py: self.tp_rank % attn_tp_size (the same here)
     a.engine_rank = rank % scenario.tp(role)
-    a.pp_rank = 0
+    a.pp_rank = stage
     a.system_dp_rank = None  # get_parallel().dp_rank: no data-parallel controller
     a.rust_http_port = None
     a.kv_cache_dtype_str = sa.kv_cache_dtype
     a.kv_layout = None
-    a.prefill_start_layer = 0
-    a.prefill_end_layer = scenario.num_layers
+    layers = scenario.stage_layers(stage) if role == "prefill" else range(scenario.num_layers)
+    a.prefill_start_layer = layers.start  # prefill.py: the pool's start_layer (a stage's first layer)
+    a.prefill_end_layer = layers.stop
     # get_contiguous_buf_infos: the registered part of each buffer stops before the guard pages
     a.kv_data_ptrs = [t.data_ptr() for t in kv]
     a.kv_data_lens = [scenario.pool_pages(role) * page_bytes for _ in kv]
     a.kv_item_lens = [page_bytes for _ in kv]
-    a.num_draft_entries = 0
-    a.kv_layer_ids = scenario.kv_layer_ids()
+    # prefill.py / decode.py: the draft pool's buffers appended after the target's (a HiSparse decode: its
+    # target buffers from the host pool, its draft's from the device pool; all CPU tensors here)
+    a.num_draft_entries = scenario.draft_entries(role)
+    a.kv_layer_ids = scenario.kv_layer_ids(role, stage)
     if role == "prefill" and not is_mla_backend(scenario):
         # prefill.py: `if not self.is_mla_backend` (decode.py sets these only for its staging buffer):
         # pool.head_num (this rank's heads; an MLA sub-pool has one latent head) and the model's total
@@ -447,10 +658,18 @@ def make_manager(scenario: Scenario, role: str, mode: str, sa: Any, kv_args: Any
     else:
         assert cls.__name__ == "MooncakeKVManager", f"get_kv_class gave {cls.__module__}.{cls.__qualname__}"
     dmode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
+    if mode == "kvwire" and role == "prefill" and scenario.prefill_backend is not None:
+        cls.kvwire_backend = scenario.prefill_backend  # a deployment's subclass would set it the same way
     mgr = cls(kv_args, dmode, sa, is_mla_backend(scenario))
     if mode == "kvwire":
         assert type(mgr).__name__ == "KvwireKVManager", type(mgr)
     return mgr
+
+
+def layout_labels(mgr: Any) -> list[list[Any]] | None:
+    """(layer, role, memory) of each buffer of kvwire's layout of this rank (None: sglang's own manager)."""
+    layout = getattr(mgr, "kvwire_layout", None)
+    return None if layout is None else [[b.layer, b.role, b.memory] for b in layout.buffers]
 
 
 def count_kvwire_sends(mgr: Any) -> list[dict[str, Any]]:
@@ -572,19 +791,20 @@ def run_prefill(args: argparse.Namespace, scenario: Scenario, clock: Clock) -> d
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     work = Path(args.workdir)
-    me = scenario.proc("prefill", 0, args.rank)
-    sa = publish_server_args(scenario, "prefill", args.rank, args.bootstrap_port)
+    me = scenario.proc("prefill", 0, args.rank, args.stage)
+    sa = publish_server_args(scenario, "prefill", args.rank, args.bootstrap_port, args.stage, work)
     server = None
-    if args.rank == 0:  # the prefill server's bootstrap server (its main process's, in sglang)
+    if args.rank == 0 and args.stage == 0:  # the prefill server's bootstrap server (its main process's, in sglang)
         server = get_kv_class(TransferBackend.MOONCAKE, KVClassType.BOOTSTRAP_SERVER)(
             host="127.0.0.1", port=args.bootstrap_port
         )
         (work / "bootstrap.up").touch()
     else:
         clock.wait_for_file(work / "bootstrap.up", "waiting for prefill rank 0's bootstrap server")
-    kv, aux = kv_buffers(scenario, "prefill", args.rank), aux_buffers("prefill")
+    kv, aux = kv_buffers(scenario, "prefill", args.rank, stage=args.stage), aux_buffers("prefill")
     # the manager registers this rank with the bootstrap server (register_to_bootstrap) as it is built
-    mgr = make_manager(scenario, "prefill", args.mode, sa, build_kv_args(scenario, "prefill", args.rank, sa, kv, aux))
+    kv_args = build_kv_args(scenario, "prefill", args.rank, sa, kv, aux, args.stage)
+    mgr = make_manager(scenario, "prefill", args.mode, sa, kv_args)
     calls = count_kvwire_sends(mgr) if args.mode == "kvwire" else None
     sender_cls = get_kv_class(TransferBackend.MOONCAKE, KVClassType.SENDER)
     servers = range(scenario.decode_servers)
@@ -638,7 +858,9 @@ def run_prefill(args: argparse.Namespace, scenario: Scenario, clock: Clock) -> d
     failures = [r["failure"] for r in requests if r["failure"]]
     result: dict[str, Any] = {
         "manager": f"{type(mgr).__module__}.{type(mgr).__qualname__}",
+        "kvwire_layout": layout_labels(mgr),
         "attn_tp": [mgr.attn_tp_size, mgr.attn_tp_rank],
+        "pp": [mgr.pp_size, mgr.pp_rank],
         "heads": list(scenario.heads_of(scenario.prefill_tp, args.rank)),
         "kvpoll": common_state(states),
         "failure": failures[0] if failures else None,
@@ -646,6 +868,7 @@ def run_prefill(args: argparse.Namespace, scenario: Scenario, clock: Clock) -> d
         "failed_sessions": sorted(mgr.failed_sessions),
     }
     if calls is not None:
+        result["kvwire_backend"] = mgr.kvwire_connection.name
         result["kvwire_sends"] = len(calls)
         result["kvwire_calls"] = calls if len(calls) <= 20 else [*calls[:20], {"more": len(calls) - 20}]
     for p in scenario.processes():
@@ -666,46 +889,56 @@ def compare_pages(
     want: Sequence[Any],
     pairs: Sequence[tuple[int, int]],
     label: str = "",
+    device_pairs: Sequence[tuple[int, int]] = (),
 ) -> dict[str, Any]:
     """Token by token and head by head: each destination page holds its source page's heads of this rank.
 
     ``want`` are the prefill server's buffers with every head; this decode rank's
-    heads of them (:meth:`Scenario.heads_of`) are what it must hold. Every page not
-    in ``pairs`` (guard pages included) must be byte-equal to ``before``.
+    heads of them (:meth:`Scenario.heads_of`) are what it must hold. Decode buffer ``b``
+    is filled from the prefill buffer :meth:`Scenario.sources` names, at ``pairs``
+    (``device_pairs`` for a HiSparse decode's device buffers); a buffer no prefill
+    buffer fills (a draft the prefill lacks) must not change at all. Every page not
+    written (guard pages included) must be byte-equal to ``before``.
     """
     import torch
 
     heads = scenario.heads_of(scenario.decode_tp, rank)
     pool = scenario.decode_pages
-    written = sorted({d for _, d in pairs})
-    src_idx = torch.tensor([s for s, _ in pairs], dtype=torch.long)
-    dst_idx = torch.tensor([d for _, d in pairs], dtype=torch.long)
     mismatches: list[str] = []
-    mismatch_count = 0
+    mismatch_count = checked = unchanged = 0
     changed: list[str] = []
-    for b, (now, old, src) in enumerate(zip(kv, before, want)):
+    for b, ((source, device), now, old) in enumerate(zip(scenario.sources(), kv, before, strict=True)):
+        these = [] if source is None else list(device_pairs if device else pairs)
+        written = sorted({d for _, d in these})
         now_b, old_b = head_bytes_view(now), head_bytes_view(old)
-        src_b = head_bytes_view(src[:, :, heads.start : heads.stop, :] if not scenario.mla else src)
-        if pairs:
+        if these:
+            assert source is not None
+            src = want[source]
+            src_b = head_bytes_view(src[:, :, heads.start : heads.stop, :] if not scenario.mla else src)
+            src_idx = torch.tensor([s for s, _ in these], dtype=torch.long)
+            dst_idx = torch.tensor([d for _, d in these], dtype=torch.long)
             equal = (now_b[dst_idx] == src_b[src_idx]).all(dim=-1)  # [pair, token, head]
             bad = (~equal).nonzero().tolist()
             mismatch_count += len(bad)
+            checked += len(these)
             for i, t, h in bad[: max(0, MISMATCH_LIMIT - len(mismatches))]:
                 head = "latent" if scenario.mla else f"head {heads[h]}"
-                s, d = pairs[i]
-                mismatches.append(f"{label}buffer {b} page {d} token {t} {head} != prefill page {s}")
+                s, d = these[i]
+                where = "device page" if device else "page"
+                mismatches.append(f"{label}buffer {b} {where} {d} token {t} {head} != prefill buffer {source} page {s}")
         differs = (now_b != old_b).reshape(now_b.shape[0], -1).any(dim=1)
         differs[written] = False
         for p in differs.nonzero().flatten().tolist():
             changed.append(f"{label}buffer {b} {'guard ' if p >= pool else ''}page {p}")
+        unchanged += pool + GUARD_PAGES - len(written)
     tokens, nheads = scenario.page_size, len(heads)
     return {
-        "pages_checked": len(pairs) * len(kv),
-        "head_slices_checked": len(pairs) * len(kv) * tokens * nheads,
+        "pages_checked": checked,
+        "head_slices_checked": checked * tokens * nheads,
         "mismatches": mismatches,
         "mismatch_count": mismatch_count,
         "other_pages_changed": changed,
-        "pages_compared_unchanged": (pool + GUARD_PAGES - len(written)) * len(kv),
+        "pages_compared_unchanged": unchanged,
     }
 
 
@@ -733,7 +966,10 @@ def run_decode(args: argparse.Namespace, scenario: Scenario, clock: Clock) -> di
 
     want = global_kv_buffers(scenario, "prefill")
     pairs = list(zip(scenario.src_pages_of(args.server), scenario.dst_pages))
+    device_pairs = list(zip(scenario.src_pages_of(args.server), scenario.device_dst_pages))
     dst = np.asarray(scenario.dst_pages, dtype=np.int32)
+    # decode.py (HiSparse with a device-only draft): the logical device pages beside the host pages
+    device_dst = np.asarray(scenario.device_dst_pages, dtype=np.int32) if scenario.hisparse else None
     receiver_cls = get_kv_class(TransferBackend.MOONCAKE, KVClassType.RECEIVER)
     states: list[str] = []
     reasons: list[str] = []
@@ -742,11 +978,12 @@ def run_decode(args: argparse.Namespace, scenario: Scenario, clock: Clock) -> di
         if rep:  # so that what the previous request wrote cannot pass for this one (random bytes are never 0)
             for t in (*kv, *before):
                 t[list(scenario.dst_pages)] = 0
+                t[list(scenario.device_dst_pages)] = 0
         receiver = receiver_cls(mgr=mgr, bootstrap_addr=addr, bootstrap_room=scenario.room(args.room, rep, args.server))
         receiver.init(0)
         state = clock.poll_until(receiver.poll, {KVPoll.WaitingForInput, KVPoll.Failed}, f"decode bootstrap {rep}")
         if state == KVPoll.WaitingForInput:
-            receiver.send_metadata(dst, aux_index=AUX_INDEX)
+            receiver.send_metadata(dst, aux_index=AUX_INDEX, device_kv_indices=device_dst)
             if args.server == scenario.killed_decode and rep == scenario.killed_at_rep:
                 (work / f"{me.name}.metadata_sent").touch()
                 while True:  # the driver SIGKILLs this process now
@@ -759,12 +996,16 @@ def run_decode(args: argparse.Namespace, scenario: Scenario, clock: Clock) -> di
         # byte-exact check of every KV buffer, guard pages included: after Success the destination pages
         # hold this rank's heads of the source pages and nothing else changed; after Failed nothing changed
         label = f"request {rep}: " if scenario.repeats > 1 else ""
-        got = compare_pages(scenario, args.rank, kv, before, want, pairs if state == KVPoll.Success else [], label)
+        ok = state == KVPoll.Success
+        got = compare_pages(
+            scenario, args.rank, kv, before, want, pairs if ok else [], label, device_pairs if ok else []
+        )
         for key, value in got.items():  # summed over the requests (the last one's count of unchanged pages)
             keep = key == "pages_compared_unchanged"
             totals[key] = value if keep else totals.get(key, [] if isinstance(value, list) else 0) + value
     result = {
         "manager": f"{type(mgr).__module__}.{type(mgr).__qualname__}",
+        "kvwire_layout": layout_labels(mgr),
         "attn_tp": [mgr.attn_tp_size, mgr.attn_tp_rank],
         "prefill_attn_tp_size": info.attn_tp_size,  # what the bootstrap server told this rank
         "target_tp_ranks": list(info.target_tp_ranks),
@@ -798,11 +1039,12 @@ def main() -> None:
     p.add_argument("--timeout-s", type=float, default=90.0)
     p.add_argument("--rank", type=int, default=0, help="this process's TP rank in its server")
     p.add_argument("--server", type=int, default=0, help="the decode server this rank belongs to")
+    p.add_argument("--stage", type=int, default=0, help="this prefill rank's pipeline stage")
     args = p.parse_args()
     deadline = time.monotonic() + args.timeout_s
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     scenario = SCENARIOS[args.scenario]
-    me = scenario.proc(args.role, args.server, args.rank)
+    me = scenario.proc(args.role, args.server, args.rank, args.stage)
     work = Path(args.workdir)
     out = work / f"{me.name}.json"
     started = time.monotonic()

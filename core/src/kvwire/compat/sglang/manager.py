@@ -9,7 +9,10 @@ and imports nothing of sglang. In both roles:
   known, before any sglang thread starts, so there is no race): after sglang's
   engine comes up, a kvwire connection over that very engine (kvwire creates
   none, and registers no memory: sglang registers its pools) with the local
-  layout from ``kv_args``;
+  layout from ``kv_args`` (draft-model KV as layers after the target's; a
+  HiSparse decode's target buffers ``host``, its draft's ``device``), on the
+  ``hisparse`` backend when kvwire-hisparse is installed, else ``mooncake``
+  (:func:`default_backend`);
 - ``teardown`` also closes the connection.
 
 Decode role: ``build_receiver_registration_message`` appends the layout frame
@@ -30,7 +33,7 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, List, Optional  # noqa: UP035 - sglang's annotations, verbatim
+from typing import Any, ClassVar, Final, List, Optional  # noqa: UP035 - sglang's annotations, verbatim
 
 import numpy as np
 import numpy.typing as npt
@@ -40,11 +43,16 @@ from kvwire.compat.sglang.registration import layout_frame, layout_from_frames
 from kvwire.compat.sglang.send import STATUS_CODES, KvwireSendMixin
 from kvwire.config import BackendConfig
 from kvwire.errors import InvalidTransferError, KvwireError
-from kvwire.layout.buffers import HeadLayout, LayoutError
+from kvwire.layout.buffers import HeadLayout, LayoutError, MemoryKind
 from kvwire.layout.kv_layout import KVLayout
-from kvwire.registry.manager import connect
+from kvwire.registry.manager import connect, default_registry
 
-__all__ = ["KvwireManagerMixin", "heads_of_kv_args", "peer_heads"]
+__all__ = ["PLAIN_BACKEND", "SPLIT_BACKEND", "KvwireManagerMixin", "default_backend", "heads_of_kv_args", "peer_heads"]
+
+#: The backend that serves every decode but a HiSparse one (kvwire-mooncake).
+PLAIN_BACKEND: Final = "mooncake"
+#: The same transport plus split host/device destinations (kvwire-hisparse), preferred when installed.
+SPLIT_BACKEND: Final = "hisparse"
 
 log = logging.getLogger("kvwire.compat.sglang")
 
@@ -87,11 +95,27 @@ def peer_heads(local: HeadLayout, peer: KVLayout) -> HeadLayout:
     return HeadLayout(kv_heads, local.total_kv_heads, item // per_token, 1, local.tokens_per_page)
 
 
+def default_backend() -> str:
+    """``hisparse`` when kvwire-hisparse is installed and allowed, else ``mooncake``.
+
+    kvwire-hisparse is kvwire-mooncake's transport (the same options, the same engine) plus
+    split host/device destinations (``dst_device_kv_indices``), which a HiSparse decode needs;
+    so a prefill takes it whenever it can and serves both kinds of decode.
+    """
+    try:
+        default_registry().get(SPLIT_BACKEND)
+    except KvwireError as exc:
+        log.info("kvwire: backend %r not usable (%s); using %r", SPLIT_BACKEND, exc, PLAIN_BACKEND)
+        return PLAIN_BACKEND
+    return SPLIT_BACKEND
+
+
 class KvwireManagerMixin(KvwireSendMixin):
     """sglang's Mooncake KV manager, sending KV pages through kvwire (see the module docstring)."""
 
-    #: The kvwire backend that drives sglang's engine (it must accept ``options={"engine": ...}``).
-    kvwire_backend: ClassVar[str] = "mooncake"
+    #: The kvwire backend that drives sglang's engine (it must accept ``options={"engine": ...,
+    #: "host_registered": True}``); None: :func:`default_backend` (``hisparse`` when installed, else ``mooncake``).
+    kvwire_backend: ClassVar[str | None] = None
 
     kvwire_layout: KVLayout
     # sglang's attributes this mixin reads (set by sglang's CommonKVManager / MooncakeKVManager)
@@ -108,7 +132,7 @@ class KvwireManagerMixin(KvwireSendMixin):
         self._kvwire_registered: dict[str, KVLayout] = {}
         self.kvwire_layout = self.kvwire_local_layout()
         config = BackendConfig(options={"engine": self.engine.engine, "host_registered": True})
-        self.kvwire_connection = connect(self.kvwire_backend, config)
+        self.kvwire_connection = connect(self.kvwire_backend or default_backend(), config)
         try:
             self.kvwire_connection.register_kv_buffers(self.kvwire_layout)
         except BaseException:
@@ -119,28 +143,75 @@ class KvwireManagerMixin(KvwireSendMixin):
         """This rank's layout, from sglang's ``kv_args`` (host memory when sglang runs on CPU).
 
         An MHA layout records its heads (:func:`heads_of_kv_args`), so that kvwire can move head
-        slices between different attention-TP sizes.
+        slices between different attention-TP sizes. Draft-model KV (``kv_args.num_draft_entries``)
+        becomes layers of its own after the target's, numbered as sglang numbers them (see
+        :func:`~kvwire.compat.sglang.layout.layout_from_kv_args`); the buffers of a HiSparse decode
+        are labelled as sglang labels them (:meth:`kvwire_memory_kinds`).
         """
         a = self.kv_args
         drafts = int(getattr(a, "num_draft_entries", 0) or 0)
-        if drafts:  # appended after the target's K and V: the halves would be mislabelled, so refuse, loudly
+        layer_ids = list(getattr(a, "kv_layer_ids", None) or [])
+        pp_size = int(getattr(self, "pp_size", 1) or 1)
+        if drafts and not layer_ids and pp_size > 1:
+            # positional pools number the draft after the target's layers, which a stage does not know
             raise LayoutError(
-                f"kvwire-sglang does not support draft-model KV (speculative decoding) yet: kv_args has {drafts} "
-                "draft entries after the target's; run without SGLANG_PLUGINS=kvwire for this deployment"
+                f"kv_args has {drafts} draft-model KV entries, positional layers (kv_layer_ids []) and a "
+                f"pipeline of {pp_size} stages: a stage cannot number the draft's layers after the model's "
+                "(sglang pairs these by position and mixes them up too); run the prefill with pp_size 1, or "
+                "without SGLANG_PLUGINS=kvwire for this deployment"
             )
         mla = bool(self.is_mla_backend or getattr(a, "is_hybrid_mla_backend", False))  # hybrid MLA: one per layer
+        heads = None if mla else heads_of_kv_args(a)
+        if heads is not None and any(int(item) != heads.page_bytes for item in a.kv_item_lens):
+            # a draft of another head shape: whole pages move between equal TP sizes; no head slices across them
+            log.info(
+                "kvwire: the draft model's KV pages (%s bytes) are not the target's (%d bytes): this rank's layout "
+                "records no heads, so transfers across attention-TP sizes are refused",
+                sorted({int(i) for i in a.kv_item_lens} - {heads.page_bytes}),
+                heads.page_bytes,
+            )
+            heads = None
         return layout_from_kv_args(
             a.kv_data_ptrs,
             a.kv_data_lens,
             a.kv_item_lens,
-            a.kv_layer_ids,
+            layer_ids,
             attention="mla" if mla else "mha",
-            memory="host" if getattr(self.server_args, "device", None) == "cpu" else "device",
+            memory=self.kvwire_memory_kinds(),
             attn_tp_size=int(self.attn_tp_size),
             attn_tp_rank=int(self.attn_tp_rank),
-            heads=None if mla else heads_of_kv_args(a),
+            heads=heads,
             first_layer=int(getattr(a, "prefill_start_layer", 0) or 0),  # a pipeline stage's first layer
+            num_draft_entries=drafts,
         )
+
+    def kvwire_memory_kinds(self) -> list[MemoryKind]:
+        """The memory kind of each of ``kv_args``'s KV buffers, as sglang 0.5.23 labels them.
+
+        A HiSparse decode (``--enable-hisparse``; sglang's ``DecodePreallocQueue._init_kv_manager``)
+        registers its target KV from the host pool (DRAM) and its draft KV from the device
+        pool: the layout is then a split destination, whose draft buffers take the
+        ``device_kv_indices`` the decode sends. Every other rank's buffers are of one kind:
+        ``"host"`` when sglang runs on CPU (``--device cpu``), else ``"device"``. A HiSparse decode
+        of DeepSeek-V4 (``kv_args.mla_compression_ratios``) is refused: kvwire-sglang does not
+        describe its compressed pools.
+        """
+        a = self.kv_args
+        n = len(a.kv_data_ptrs)
+        own: MemoryKind = "host" if getattr(self.server_args, "device", None) == "cpu" else "device"
+        decode = str(getattr(self.server_args, "disaggregation_mode", "")) == "decode"
+        if not (decode and getattr(self.server_args, "enable_hisparse", False)):
+            return [own] * n
+        if getattr(a, "mla_compression_ratios", None) is not None:
+            raise LayoutError(
+                "kvwire-sglang does not describe a HiSparse decode of DeepSeek-V4 (kv_args.mla_compression_ratios "
+                "is set: compressed pools, partly in host memory); run without SGLANG_PLUGINS=kvwire for this "
+                "deployment"
+            )
+        drafts = int(getattr(a, "num_draft_entries", 0) or 0)
+        host: MemoryKind = "host"
+        device: MemoryKind = "device"
+        return [host] * (n - drafts) + [device] * drafts
 
     def send_kvcache_slice(
         self,
@@ -217,7 +288,16 @@ class KvwireManagerMixin(KvwireSendMixin):
         with self._kvwire_lock:
             published = self._kvwire_registered.pop(mooncake_session_id, None)
         try:
-            self.kvwire_connection.add_peer(mooncake_session_id, self._kvwire_peer(published, decode_kv_args))
+            peer = self._kvwire_peer(published, decode_kv_args)
+            self.kvwire_connection.add_peer(mooncake_session_id, peer)
+            if peer.is_split and "device_kv_indices" not in self.kvwire_connection.capabilities:
+                log.error(
+                    "kvwire: decode session %s is a HiSparse split destination (host and device buffers), but "
+                    "backend %r cannot address device buffers: its sends are refused (status -22); install "
+                    "kvwire-hisparse on the prefill (pip install kvwire-hisparse)",
+                    mooncake_session_id,
+                    self.kvwire_connection.name,
+                )
         except KvwireError as exc:  # the decode stays unknown to kvwire (or is forgotten): its sends are refused
             log.error("kvwire: decode session %s: %s; sends to it are refused", mooncake_session_id, exc)
             self.kvwire_connection.remove_peer(mooncake_session_id)

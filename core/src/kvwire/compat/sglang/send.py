@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import List, Optional  # noqa: UP035 - sglang's annotations, verbatim
 
 import numpy as np
@@ -20,7 +20,14 @@ import numpy.typing as npt
 
 from kvwire.compat.sglang.layout import layer_ids_from_sglang
 from kvwire.connection import Connection
-from kvwire.errors import InvalidTransferError, KvwireError, PeerUnreachableError, TransferTimeoutError
+from kvwire.errors import (
+    InvalidTransferError,
+    KvwireError,
+    PeerUnreachableError,
+    TransferTimeoutError,
+    UnsupportedFeatureError,
+)
+from kvwire.planning.pairing import layer_id_list
 
 __all__ = ["STATUS_CODES", "KvwireSendMixin", "SglangSender", "status_of"]
 
@@ -29,6 +36,7 @@ log = logging.getLogger("kvwire.compat.sglang")
 #: The non-zero status returned for each kvwire error class (most specific first); anything else is -1.
 STATUS_CODES: Mapping[type[KvwireError], int] = {
     InvalidTransferError: -22,  # bad input, refused before any byte moved
+    UnsupportedFeatureError: -22,  # input this backend cannot serve (dst_device_kv_indices without kvwire-hisparse)
     TransferTimeoutError: -110,  # the peer did not complete in time
     PeerUnreachableError: -102,  # Mooncake's ERR_SOCKET: dead or unknown peer
 }
@@ -73,7 +81,7 @@ class KvwireSendMixin:
                 dst_kv_ptrs,
                 dst_kv_indices,
                 executor,
-                layer_ids_from_sglang(dst_layer_ids),
+                self.kvwire_dst_layer_ids(mooncake_session_id, dst_layer_ids),
                 dst_device_kv_indices,
                 dst_kv_item_len,
                 dst_attn_tp_size,
@@ -90,6 +98,25 @@ class KvwireSendMixin:
             )
             return status
         return 0
+
+    def kvwire_dst_layer_ids(self, session_id: str, dst_layer_ids: Sequence[int] | None) -> list[int] | None:
+        """kvwire's ``dst_layer_ids`` (one per local layer, or None: same layer numbers) for sglang's.
+
+        sglang pairs a prefill entry with the decode entry of the same layer id (the next unused
+        one, so K before V: ``build_transfer_entry_pairs``), and kvwire's layouts carry those very
+        ids (the decode's, published, and this side's from ``kv_args``). So when ``dst_layer_ids`` is
+        the decode's registered list, one id per buffer of its published layout (hybrid pools,
+        draft KV in sglang's band included), kvwire's answer is None: each layer lands on the
+        peer's layer of the same number, the decode's extra layers (a draft this side lacks, the
+        other pipeline stages') untouched. Any other list is read by :func:`layer_ids_from_sglang`.
+        """
+        if dst_layer_ids is None:
+            return None
+        ids = layer_id_list("dst_layer_ids", dst_layer_ids)
+        peer = self.kvwire_connection.peer_layout(session_id) if ids else None
+        if peer is not None and ids == [b.layer for b in peer.buffers]:
+            return None
+        return layer_ids_from_sglang(ids)
 
 
 class SglangSender(KvwireSendMixin):
