@@ -358,3 +358,54 @@ def test_a_pipeline_stage_numbers_its_layers_from_its_first_so_they_land_on_the_
         assert (dst[decode_buffer, [1, 5]] == src[stage_buffer, [1, 5]]).all()
     untouched = [b for b in range(8) if b not in (k2, k3, v2, v3)]
     assert (dst[untouched] == before[untouched]).all()
+
+
+# -- sglang's blacklist: a refusal of the caller's input is not a dead peer ---------------------------------------
+
+
+def test_a_refused_send_leaves_the_session_out_of_sglangs_blacklist_and_a_failed_one_puts_it_in(
+    pair: Pair, caplog: pytest.LogCaptureFixture
+) -> None:
+    """sglang adds the session to failed_sessions after any non-zero status; kvwire's set keeps a refusal out."""
+    import threading
+
+    from kvwire.compat.sglang.send import FailedSessions
+
+    adapter, receiver, _, dst = pair
+    session, ptrs = receiver.endpoint(), [int(dst[0].ctypes.data), int(dst[1].ctypes.data)]
+    blacklist = FailedSessions()
+    bad = np.array([40], np.int32)  # past the decode's 32 pages: refused before any byte moves
+    assert adapter.send_kvcache(session, bad[:1] * 0, ptrs, bad, None) == -22  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="kvwire.compat.sglang"):
+        blacklist.add(session)  # what sglang's transfer_worker does next, on the same thread
+    assert session not in blacklist
+    assert caplog.records[-1].getMessage() == (
+        f"kvwire: decode session {session} stays in service: kvwire refused the send for its input (status -22); "
+        "only that request fails"
+    )
+    blacklist.add(session)  # no refusal noted any more: sglang's own reasons still blacklist
+    assert session in blacklist
+    blacklist.discard(session)
+    receiver.close()  # a dead peer: the send fails (not a refusal) and the session is blacklisted
+    idx = np.array([1], np.int32)
+    assert adapter.send_kvcache(session, idx, ptrs, idx, None) not in (0, -22)  # type: ignore[arg-type]
+    blacklist.add(session)
+    assert session in blacklist
+    # the note is per transfer thread: a refusal on one thread does not spare a failure on another
+    blacklist.discard(session)
+    assert adapter.send_kvcache(session, bad[:1] * 0, ptrs, bad, None) == -22  # type: ignore[arg-type]
+    other = threading.Thread(target=blacklist.add, args=(session,))
+    other.start()
+    other.join()
+    assert session in blacklist
+
+
+def test_the_manager_keeps_sglangs_failed_sessions_as_a_refusal_aware_set() -> None:
+    from kvwire.compat.sglang.send import FailedSessions
+
+    class Manager(KvwireManagerMixin):
+        def __init__(self) -> None:
+            self.failed_sessions = {"old"}  # as sglang's constructor assigns it
+
+    manager = Manager()
+    assert type(manager.failed_sessions) is FailedSessions and manager.failed_sessions == {"old"}

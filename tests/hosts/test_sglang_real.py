@@ -87,6 +87,8 @@ def test_a_bad_destination_page_is_refused_by_kvwire_before_any_byte_moves(pair:
         "InvalidTransferError: dst_kv_indices[2] = 12 is out of range: peer buffer 0 (layer 0, k, host) has 12 pages"
     )
     assert decode["other_pages_changed"] == [] and decode["pages_compared_unchanged"] > 0
+    # a refusal of the request's own input fails that request, and the decode session stays in service
+    assert prefill["failed_sessions"] == []
 
 
 # -- attention TP sizes that differ: one process per TP rank, as sglang deploys them ------------------------------

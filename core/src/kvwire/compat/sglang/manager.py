@@ -40,9 +40,9 @@ import numpy.typing as npt
 
 from kvwire.compat.sglang.layout import layout_from_kv_args
 from kvwire.compat.sglang.registration import layout_frame, layout_from_frames
-from kvwire.compat.sglang.send import STATUS_CODES, KvwireSendMixin
+from kvwire.compat.sglang.send import REFUSED, FailedSessions, KvwireSendMixin, note_status
 from kvwire.config import BackendConfig
-from kvwire.errors import InvalidTransferError, KvwireError
+from kvwire.errors import KvwireError
 from kvwire.layout.buffers import HeadLayout, LayoutError, MemoryKind
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.registry.manager import connect, default_registry
@@ -125,6 +125,19 @@ class KvwireManagerMixin(KvwireSendMixin):
     attn_tp_size: int
     attn_tp_rank: int
     server_args: Any
+
+    @property
+    def failed_sessions(self) -> FailedSessions:
+        """sglang's blacklist of decode sessions, as a :class:`~kvwire.compat.sglang.send.FailedSessions`.
+
+        sglang's constructor assigns a plain set (prefill role); this property keeps it as one that
+        does not blacklist a session for a send kvwire refused for its input (status -22).
+        """
+        return self._kvwire_failed_sessions
+
+    @failed_sessions.setter
+    def failed_sessions(self, sessions: set[str]) -> None:
+        self._kvwire_failed_sessions = FailedSessions(sessions)
 
     def init_engine(self) -> None:
         super().init_engine()  # type: ignore[misc]  # sglang's: self.engine, the shared Mooncake engine
@@ -239,7 +252,7 @@ class KvwireManagerMixin(KvwireSendMixin):
                 dst_tp_rank,
                 peer.attn_tp_rank,
             )
-            return STATUS_CODES[InvalidTransferError]
+            return note_status(mooncake_session_id, REFUSED)
         return self.send_kvcache(
             mooncake_session_id,
             prefill_kv_indices,

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterable, Mapping, Sequence
 from typing import List, Optional  # noqa: UP035 - sglang's annotations, verbatim
 
 import numpy as np
@@ -29,17 +30,57 @@ from kvwire.errors import (
 )
 from kvwire.planning.pairing import layer_id_list
 
-__all__ = ["STATUS_CODES", "KvwireSendMixin", "SglangSender", "status_of"]
+__all__ = ["REFUSED", "STATUS_CODES", "FailedSessions", "KvwireSendMixin", "SglangSender", "note_status", "status_of"]
 
 log = logging.getLogger("kvwire.compat.sglang")
 
+#: The status of a send kvwire refused for the caller's own input: the peer was never contacted.
+REFUSED = -22
+
 #: The non-zero status returned for each kvwire error class (most specific first); anything else is -1.
 STATUS_CODES: Mapping[type[KvwireError], int] = {
-    InvalidTransferError: -22,  # bad input, refused before any byte moved
-    UnsupportedFeatureError: -22,  # input this backend cannot serve (dst_device_kv_indices without kvwire-hisparse)
+    InvalidTransferError: REFUSED,  # bad input, refused before any byte moved
+    UnsupportedFeatureError: REFUSED,  # input this backend cannot serve (dst_device_kv_indices without kvwire-hisparse)
     TransferTimeoutError: -110,  # the peer did not complete in time
     PeerUnreachableError: -102,  # Mooncake's ERR_SOCKET: dead or unknown peer
 }
+
+
+#: Per transfer thread: the session whose last send kvwire refused (REFUSED), until sglang reacts to it.
+_refused = threading.local()
+
+
+class FailedSessions(set[str]):
+    """sglang's ``failed_sessions`` (its blacklist of dead decode sessions), told refusals from failures.
+
+    sglang's ``transfer_worker`` blacklists a session after any non-zero status from a send (the
+    failed-session probe un-blacklists it later). A refusal of the caller's own input (a bad
+    page index, a feature the backend lacks: status -22) says nothing about the peer, so the
+    request fails as sglang fails it, but the session is not added: the next request to that
+    decode is sent. Any other status (a dead or frozen peer) blacklists it as sglang does.
+    """
+
+    def __init__(self, sessions: Iterable[str] = ()) -> None:
+        super().__init__(sessions)
+
+    def add(self, session_id: str) -> None:
+        if getattr(_refused, "session", None) == session_id:
+            _refused.session = None
+            log.warning(
+                "kvwire: decode session %s stays in service: kvwire refused the send for its input (status %d); "
+                "only that request fails",
+                session_id,
+                REFUSED,
+            )
+            return
+        super().add(session_id)
+
+
+def note_status(session_id: str, status: int) -> int:
+    """``status``, noted for this thread: a refusal (:data:`REFUSED`) keeps :class:`FailedSessions` from
+    blacklisting ``session_id`` when sglang reacts to it next; any other status clears the note."""
+    _refused.session = session_id if status == REFUSED else None
+    return status
 
 
 def status_of(error: KvwireError) -> int:
@@ -96,8 +137,8 @@ class KvwireSendMixin:
                 type(exc).__name__,
                 exc,
             )
-            return status
-        return 0
+            return note_status(mooncake_session_id, status)
+        return note_status(mooncake_session_id, 0)
 
     def kvwire_dst_layer_ids(self, session_id: str, dst_layer_ids: Sequence[int] | None) -> list[int] | None:
         """kvwire's ``dst_layer_ids`` (one per local layer, or None: same layer numbers) for sglang's.
