@@ -1,0 +1,23 @@
+"""``WorkerRank``: what a vLLM worker's sender and receiver both work with."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvwire.compat.vllm.layout import VllmLayout
+from kvwire.connection.connection import Connection
+
+__all__ = ["WorkerRank"]
+
+
+@dataclass(frozen=True)
+class WorkerRank:
+    """One worker: its kvwire connection, its KV cache's layout, its TP rank of ``tp_size``, and the clock."""
+
+    connection: Connection
+    local: VllmLayout
+    tp_rank: int
+    tp_size: int
+    clock: Callable[[], float] = time.monotonic

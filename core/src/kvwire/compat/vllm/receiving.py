@@ -1,0 +1,154 @@
+"""The decode worker's side: register a request's blocks with its prefill, then learn they arrived or failed.
+
+For each :class:`~kvwire.compat.vllm.metadata.ToReceive` the worker checks the
+block ids (the decode's own against its cache; the prefill's count against its
+own), maps them (block ``i`` of the prefill's tail lands on block ``i`` of the
+decode's: prefix-cache hits here shorten the decode's list) and sends a
+:class:`~kvwire.compat.vllm.registration.Registration` to the prefill worker of
+its TP rank. The request is done when the prefill's arrival notification comes
+(the bytes are in place by then), and failed when the prefill refuses, cannot be
+reached, or nothing arrives within ``load_timeout_s``: then it is reported in
+``finished_recving`` and its blocks by ``get_block_ids_with_load_errors`` in
+the same step, as vLLM asks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from kvwire.compat.vllm.channel import RegistrationClient
+from kvwire.compat.vllm.metadata import ToReceive
+from kvwire.compat.vllm.rank import WorkerRank
+from kvwire.compat.vllm.registration import Registration, request_of_notification
+from kvwire.errors import InvalidTransferError
+from kvwire.layout.buffers import LayoutError
+from kvwire.layout.peer import PeerDescription
+from kvwire.submit.watcher import Arrival, NotificationWatcher
+
+__all__ = ["Receiver"]
+
+log = logging.getLogger("kvwire.compat.vllm")
+
+#: How many failure reasons a receiver keeps (the latest; for logs and tests).
+_KEPT_FAILURES = 100
+
+
+@dataclass
+class _Pending:
+    block_ids: tuple[int, ...]
+    deadline: float
+
+
+class Receiver:
+    """Tracks the decode's requests from registration to arrival or failure (see the module docstring)."""
+
+    def __init__(self, rank: WorkerRank, client: RegistrationClient, load_timeout_s: float) -> None:
+        connection, self._local, self._clock = rank.connection, rank.local, rank.clock
+        self._tp_rank, self._tp_size = rank.tp_rank, rank.tp_size
+        self._client = client
+        self._timeout_s = load_timeout_s
+        self._peer = PeerDescription(connection.endpoint(), self._local.layout)
+        self._lock = threading.Lock()
+        self._pending: dict[str, _Pending] = {}
+        self._arrived: set[str] = set()
+        self._failed: dict[str, str] = {}
+        self._errors: set[int] = set()
+        self.failures: dict[str, str] = {}  # request id -> why it failed (the latest _KEPT_FAILURES)
+        self._watcher = NotificationWatcher(connection, self._on_arrival, max_kept=0, name="kvwire-vllm-arrivals")
+
+    def start(self, item: ToReceive) -> None:
+        """Register ``item``'s blocks with its prefill (a refusal here fails it at the next :meth:`finished`)."""
+        remote = item.remote
+        valid = tuple(b for b in item.block_ids if isinstance(b, int) and 0 < b < self._local.num_blocks)
+        with self._lock:
+            self._pending[item.request_id] = _Pending(valid, self._clock() + self._timeout_s)
+        try:
+            local = self._local.check_block_ids(item.block_ids, "decode block_ids")
+            if not local or len(local) > len(remote.block_ids):
+                raise InvalidTransferError(
+                    f"request {item.request_id!r}: {len(local)} decode blocks for {len(remote.block_ids)} prefill "
+                    "blocks; the decode can take at most the prefill's blocks"
+                )
+        except (InvalidTransferError, LayoutError) as exc:
+            self._fail(item.request_id, f"refused before anything moved: {exc}")
+            return
+        registration = Registration(
+            prefill_request_id=remote.request_id,
+            decode_request_id=item.request_id,
+            prefill_block_ids=remote.block_ids[len(remote.block_ids) - len(local) :],
+            decode_block_ids=tuple(local),
+            layers=self._local.layer_names,
+            tp_rank=self._tp_rank,
+            tp_size=self._tp_size,
+            valid_for_s=max(0.001, self._deadline_of(item.request_id) - self._clock()),
+            peer=self._peer,
+        )
+        self._client.send(
+            remote.host,
+            remote.port + self._tp_rank,
+            registration.to_dict(),
+            lambda reply, reason: self._answered(item.request_id, reply, reason),
+        )
+
+    def _deadline_of(self, request_id: str) -> float:
+        with self._lock:
+            return self._pending[request_id].deadline
+
+    def _answered(self, request_id: str, reply: dict[str, Any] | None, reason: str | None) -> None:
+        if reply is None:
+            self._fail(request_id, f"the prefill did not take the registration: {reason}")
+
+    def _fail(self, request_id: str, reason: str) -> None:
+        log.error("kvwire: request %s: %s", request_id, reason)
+        with self._lock:
+            if request_id in self._pending:
+                self._failed[request_id] = reason
+
+    def _on_arrival(self, arrival: Arrival) -> None:
+        request_id = request_of_notification(arrival.notification.message)
+        if request_id is None:
+            return
+        with self._lock:
+            if request_id in self._pending:
+                self._arrived.add(request_id)
+
+    def finished(self) -> set[str]:
+        """Requests done receiving (arrived, or failed: their blocks then go to :meth:`load_errors`)."""
+        now = self._clock()
+        done: set[str] = set()
+        with self._lock:
+            for request_id, pending in list(self._pending.items()):
+                if request_id in self._arrived and request_id not in self._failed:
+                    self._arrived.discard(request_id)
+                elif request_id in self._failed or pending.deadline <= now:
+                    reason = self._failed.pop(request_id, None) or (
+                        f"its blocks did not arrive within load_timeout_s = {self._timeout_s:g} s"
+                    )
+                    self._arrived.discard(request_id)
+                    self.failures[request_id] = reason
+                    while len(self.failures) > _KEPT_FAILURES:
+                        del self.failures[next(iter(self.failures))]
+                    self._errors.update(pending.block_ids)
+                else:
+                    continue
+                del self._pending[request_id]
+                done.add(request_id)
+        return done
+
+    def load_errors(self) -> set[int]:
+        """Blocks of the requests that failed since the last call (reported with them by :meth:`finished`)."""
+        with self._lock:
+            errors, self._errors = self._errors, set()
+        return errors
+
+    @property
+    def pending(self) -> int:
+        """Requests registered and not finished yet."""
+        with self._lock:
+            return len(self._pending)
+
+    def close(self) -> None:
+        self._watcher.stop()

@@ -1,0 +1,154 @@
+"""The registration a decode worker sends its prefill: "write your blocks of request X into these blocks of mine".
+
+One JSON object (``format`` ``"kvwire.vllm.registration"``, ``version`` 1):
+``prefill_request_id``, ``decode_request_id``, ``prefill_block_ids`` and
+``decode_block_ids`` (equal lengths: block ``i`` of one lands on block ``i`` of
+the other), ``layers`` (the decode's layer names, which must be the prefill's),
+``tp_rank`` and ``tp_size``, ``valid_for_s`` (how much longer the decode waits: a
+write that could not end by then is not started, since the decode frees its blocks
+when it stops waiting), and ``peer``: the decode's
+:class:`kvwire.PeerDescription` (its backend endpoint and KV layout). It comes
+from another process, so it is parsed strictly: :class:`Registration.from_dict`
+raises :class:`kvwire.InvalidTransferError` or :class:`kvwire.LayoutError` naming
+the field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from kvwire.errors import InvalidTransferError
+from kvwire.layout.peer import PeerDescription
+
+__all__ = ["REGISTRATION_FORMAT", "REGISTRATION_VERSION", "Registration", "notification_for", "request_of_notification"]
+
+REGISTRATION_FORMAT: Final = "kvwire.vllm.registration"
+REGISTRATION_VERSION: Final = 1
+_FIELDS: Final = frozenset(
+    {
+        "cmd",
+        "format",
+        "version",
+        "prefill_request_id",
+        "decode_request_id",
+        "prefill_block_ids",
+        "decode_block_ids",
+        "layers",
+        "tp_rank",
+        "tp_size",
+        "valid_for_s",
+        "peer",
+    }
+)
+_NOTE_PREFIX: Final = b"kvwire.vllm:"
+_MAX_ID_CHARS: Final = 1024
+
+
+def notification_for(decode_request_id: str) -> bytes:
+    """The arrival notification that tells the decode ``decode_request_id``'s blocks are written."""
+    return _NOTE_PREFIX + decode_request_id.encode()
+
+
+def request_of_notification(message: bytes) -> str | None:
+    """The decode request id a notification names, or None for a message not from this connector."""
+    if not message.startswith(_NOTE_PREFIX):
+        return None
+    return message[len(_NOTE_PREFIX) :].decode(errors="replace")
+
+
+def _ids(data: Mapping[str, Any], name: str) -> tuple[int, ...]:
+    raw = data.get(name)
+    if not isinstance(raw, list) or not raw:
+        raise InvalidTransferError(f"registration: {name!r} must be a non-empty list of block ids, got {raw!r:.80}")
+    for i, b in enumerate(raw):
+        if isinstance(b, bool) or not isinstance(b, int):
+            raise InvalidTransferError(f"registration: {name}[{i}] = {b!r:.40} must be an int block id")
+    return tuple(raw)
+
+
+def _text(data: Mapping[str, Any], name: str) -> str:
+    value = data.get(name)
+    if not isinstance(value, str) or not value or len(value) > _MAX_ID_CHARS:
+        raise InvalidTransferError(f"registration: {name!r} must be a non-empty string, got {value!r:.80}")
+    return value
+
+
+def _int(data: Mapping[str, Any], name: str, minimum: int) -> int:
+    value = data.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidTransferError(f"registration: {name!r} must be an int >= {minimum}, got {value!r:.40}")
+    return value
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A parsed registration (see the module docstring)."""
+
+    prefill_request_id: str
+    decode_request_id: str
+    prefill_block_ids: tuple[int, ...]
+    decode_block_ids: tuple[int, ...]
+    layers: tuple[str, ...]
+    tp_rank: int
+    tp_size: int
+    valid_for_s: float
+    peer: PeerDescription
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cmd": "register",
+            "format": REGISTRATION_FORMAT,
+            "version": REGISTRATION_VERSION,
+            "prefill_request_id": self.prefill_request_id,
+            "decode_request_id": self.decode_request_id,
+            "prefill_block_ids": list(self.prefill_block_ids),
+            "decode_block_ids": list(self.decode_block_ids),
+            "layers": list(self.layers),
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "valid_for_s": self.valid_for_s,
+            "peer": self.peer.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Registration:
+        if data.get("format") != REGISTRATION_FORMAT:
+            raise InvalidTransferError(
+                f"registration: 'format' must be {REGISTRATION_FORMAT!r}, got {data.get('format')!r:.80}"
+            )
+        version = data.get("version")
+        if type(version) is not int or version != REGISTRATION_VERSION:
+            raise InvalidTransferError(
+                f"registration: version {version!r:.40} is not supported (this kvwire reads {REGISTRATION_VERSION})"
+            )
+        unknown = sorted(map(str, set(data) - _FIELDS))
+        if unknown:
+            raise InvalidTransferError(f"registration: unknown fields {unknown}")
+        prefill_ids, decode_ids = _ids(data, "prefill_block_ids"), _ids(data, "decode_block_ids")
+        if len(prefill_ids) != len(decode_ids):
+            raise InvalidTransferError(
+                f"registration: {len(prefill_ids)} prefill_block_ids but {len(decode_ids)} decode_block_ids; "
+                "block i of one lands on block i of the other"
+            )
+        valid = data.get("valid_for_s")
+        if isinstance(valid, bool) or not isinstance(valid, (int, float)) or not (valid > 0 and math.isfinite(valid)):
+            raise InvalidTransferError(
+                f"registration: 'valid_for_s' must be a number of seconds > 0, got {valid!r:.40}"
+            )
+        layers = data.get("layers")
+        if not isinstance(layers, list) or not all(isinstance(n, str) for n in layers):
+            raise InvalidTransferError(f"registration: 'layers' must be a list of layer names, got {layers!r:.80}")
+        return cls(
+            prefill_request_id=_text(data, "prefill_request_id"),
+            decode_request_id=_text(data, "decode_request_id"),
+            prefill_block_ids=prefill_ids,
+            decode_block_ids=decode_ids,
+            layers=tuple(layers),
+            tp_rank=_int(data, "tp_rank", 0),
+            tp_size=_int(data, "tp_size", 1),
+            valid_for_s=float(valid),
+            peer=PeerDescription.from_dict(data.get("peer")),
+        )

@@ -1,0 +1,176 @@
+"""The prefill worker's side: write a finished request's blocks into the decode's once both are known.
+
+Two things must meet, in either order: the scheduler's word that a request
+finished and which blocks hold it (:meth:`Sender.mark_ready`, from the step's
+metadata) and the decode's :class:`~kvwire.compat.vllm.registration.Registration`
+(:meth:`Sender.handle`, on the side channel's thread). Then one
+``submit_kvcache`` writes every layer's blocks, with the decode's request id as
+the arrival notification, and the request is reported in ``finished_sending``
+when the write ends (vLLM then frees the blocks). A request nobody registers for
+within the lease is reported all the same, so its blocks are freed.
+
+Checked before anything moves, each refusal answered to the decode as
+``{"error": ...}``: the layer names, the TP size and rank, every block id against
+the two layouts, and that the prefill block ids are the ones the request holds
+(a decode cannot read another request's blocks).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvwire.compat.vllm.metadata import ReadyToSend
+from kvwire.compat.vllm.rank import WorkerRank
+from kvwire.compat.vllm.registration import Registration, notification_for
+from kvwire.errors import InvalidTransferError, KvwireError
+
+__all__ = ["Sender"]
+
+log = logging.getLogger("kvwire.compat.vllm")
+
+#: How many failure reasons a sender or receiver keeps (for logs and tests).
+_KEPT_FAILURES = 100
+#: Seconds kept between a write's latest end and the moment its decode stops waiting (message delays).
+_MARGIN_S = 1.0
+
+
+@dataclass
+class _Ready:
+    block_ids: tuple[int, ...]
+    deadline: float
+    started: bool = False
+
+
+class Sender:
+    """Matches ready requests with registrations and writes them (see the module docstring)."""
+
+    def __init__(self, rank: WorkerRank, lease_s: float) -> None:
+        self._connection, self._local, self._clock = rank.connection, rank.local, rank.clock
+        self._tp_rank, self._tp_size = rank.tp_rank, rank.tp_size
+        self._lease_s = lease_s
+        self._lock = threading.RLock()  # a future that is already done runs its callback at once
+        self._ready: dict[str, _Ready] = {}
+        self._waiting: dict[str, tuple[Registration, float]] = {}  # with when the decode stops waiting
+        self._done: set[str] = set()
+        self._peers: dict[str, Any] = {}  # endpoint -> the layout add_peer was given
+        self.failures: deque[str] = deque(maxlen=_KEPT_FAILURES)  # the latest refusals and failed writes
+
+    def mark_ready(self, item: ReadyToSend) -> None:
+        """The scheduler finished ``item.request_id``: its blocks may go to the decode that registers."""
+        with self._lock:
+            self._ready[item.request_id] = _Ready(tuple(item.block_ids), self._clock() + self._lease_s)
+            waiting = self._waiting.pop(item.request_id, None)
+            if waiting is not None:
+                try:
+                    self._start(*waiting)
+                except KvwireError as exc:  # this runs in vLLM's step: log it, never raise it there
+                    self.failures.append(str(exc))
+                    log.error("kvwire: request %s: refused the decode's registration: %s", item.request_id, exc)
+
+    def handle(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Answer one side-channel message: start (or queue) the write, or ``{"error": why}``."""
+        try:
+            registration = Registration.from_dict(message)
+            self._check(registration)
+            decode_gives_up = self._clock() + registration.valid_for_s
+            with self._lock:
+                if registration.prefill_request_id in self._ready:
+                    self._start(registration, decode_gives_up)
+                    return {"accepted": registration.prefill_request_id}
+                self._waiting[registration.prefill_request_id] = (registration, decode_gives_up)
+                return {"queued": registration.prefill_request_id}
+        except KvwireError as exc:  # LayoutError and InvalidTransferError included: the decode is told why
+            self.failures.append(str(exc))
+            return {"error": str(exc)}
+
+    def _check(self, reg: Registration) -> None:
+        """Everything checkable without the scheduler's record: layers, TP, block ids against both layouts."""
+        if reg.layers != self._local.layer_names:
+            raise InvalidTransferError(
+                f"registration for {reg.prefill_request_id!r}: the decode's layers {list(reg.layers)[:4]}... "
+                f"({len(reg.layers)}) are not this prefill's {list(self._local.layer_names)[:4]}... "
+                f"({len(self._local.layer_names)}): run the same model on both sides"
+            )
+        if (reg.tp_size, reg.tp_rank) != (self._tp_size, self._tp_rank):
+            raise InvalidTransferError(
+                f"registration for {reg.prefill_request_id!r}: the decode is TP rank {reg.tp_rank} of {reg.tp_size}, "
+                f"this prefill worker rank {self._tp_rank} of {self._tp_size}: kvwire's vLLM connector moves whole "
+                "blocks between equal TP sizes, rank to rank"
+            )
+        self._local.check_block_ids(reg.prefill_block_ids, "prefill_block_ids")
+        peer_pages = reg.peer.layout.buffers[0].num_pages
+        for i, b in enumerate(reg.decode_block_ids):
+            if not 0 < b < peer_pages:
+                raise InvalidTransferError(
+                    f"decode_block_ids[{i}] = {b} is not a block of the decode's KV cache: ids run "
+                    f"1..{peer_pages - 1} (block 0 is vLLM's null block); nothing was sent"
+                )
+
+    def _start(self, reg: Registration, decode_gives_up: float) -> None:
+        """Submit the write (the lock is held); InvalidTransferError before anything moves.
+
+        A write is started only if it ends (at the latest, failed by the backend's ``timeout_s``) before
+        the decode stops waiting: after that the decode frees its blocks, and vLLM may reuse them.
+        """
+        request_id = reg.prefill_request_id
+        ready = self._ready[request_id]
+        if ready.started:
+            raise InvalidTransferError(f"request {request_id!r}: its blocks were already sent to a decode")
+        latest_end = self._clock() + self._connection.config.timeout_s + _MARGIN_S
+        if latest_end > decode_gives_up:
+            raise InvalidTransferError(
+                f"request {request_id!r}: the decode stops waiting in {decode_gives_up - self._clock():.2f} s, "
+                f"before a write could be sure to end (transfer_timeout_s = {self._connection.config.timeout_s:g} s); "
+                "not started (raise load_timeout_s on the decode above transfer_timeout_s)"
+            )
+        held = ready.block_ids[len(ready.block_ids) - len(reg.prefill_block_ids) :]
+        if len(reg.prefill_block_ids) > len(ready.block_ids) or tuple(reg.prefill_block_ids) != held:
+            raise InvalidTransferError(
+                f"prefill_block_ids {list(reg.prefill_block_ids)[:8]} are not the blocks request {request_id!r} "
+                f"holds ({list(ready.block_ids)[:8]}, or their tail); nothing was sent"
+            )
+        endpoint, layout = reg.peer.endpoint, reg.peer.layout
+        if self._peers.get(endpoint) != layout:
+            self._connection.add_peer(endpoint, layout)
+            self._peers[endpoint] = layout
+        future = self._connection.submit_kvcache(
+            endpoint,
+            np.asarray(reg.prefill_block_ids, dtype=np.int32),
+            [b.base for b in layout.buffers],
+            np.asarray(reg.decode_block_ids, dtype=np.int32),
+            notification=notification_for(reg.decode_request_id),
+        )
+        ready.started = True
+        future.add_done_callback(lambda f: self._written(request_id, f))
+
+    def _written(self, request_id: str, future: Future[int]) -> None:
+        error = future.exception() if not future.cancelled() else None
+        if error is not None or future.cancelled():
+            reason = f"request {request_id!r}: the write failed: {error or 'cancelled'}"
+            self.failures.append(reason)
+            log.error("kvwire: %s", reason)
+        with self._lock:
+            self._ready.pop(request_id, None)
+            self._done.add(request_id)
+
+    def finished(self) -> set[str]:
+        """Requests whose blocks vLLM may free: written (or failed), or unclaimed past the lease."""
+        now = self._clock()
+        with self._lock:
+            for request_id, ready in list(self._ready.items()):
+                if not ready.started and ready.deadline <= now:
+                    log.warning("kvwire: request %s: no decode asked for its blocks within the lease", request_id)
+                    del self._ready[request_id]
+                    self._done.add(request_id)
+            for request_id, (_, decode_gives_up) in list(self._waiting.items()):
+                if decode_gives_up <= now:
+                    del self._waiting[request_id]
+            done, self._done = self._done, set()
+        return done

@@ -1,0 +1,120 @@
+"""The worker side of the connector: the kvwire connection, and the sender or receiver behind vLLM's hooks.
+
+``register_kv_caches`` maps vLLM's tensors to a layout
+(:func:`~kvwire.compat.vllm.layout.layout_from_kv_caches`), connects the backend
+named in the settings (validated by kvwire as it loads) and registers the
+buffers. A producer then serves registrations on its side channel
+(``side_channel_port + tp_rank``); a consumer watches arrival notifications.
+Each step's metadata starts the work; ``get_finished`` and
+``get_block_ids_with_load_errors`` report it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from kvwire.compat.vllm.channel import RegistrationClient, RegistrationServer
+from kvwire.compat.vllm.layout import KVTensor, VllmLayout, layout_from_kv_caches
+from kvwire.compat.vllm.metadata import StepMetadata
+from kvwire.compat.vllm.rank import WorkerRank
+from kvwire.compat.vllm.receiving import Receiver
+from kvwire.compat.vllm.sending import Sender
+from kvwire.compat.vllm.settings import ConnectorSettings
+from kvwire.connection.connection import Connection
+from kvwire.control.auth import load_key
+from kvwire.errors import ConfigError
+from kvwire.registry.manager import connect
+
+__all__ = ["WorkerSide"]
+
+log = logging.getLogger("kvwire.compat.vllm")
+
+
+class WorkerSide:
+    """One vLLM worker's transfers (TP rank ``tp_rank`` of ``tp_size``)."""
+
+    def __init__(
+        self, settings: ConnectorSettings, tp_rank: int, tp_size: int, *, producer: bool, consumer: bool
+    ) -> None:
+        self.settings = settings
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.producer, self.consumer = producer, consumer
+        self.local: VllmLayout | None = None
+        self.connection: Connection | None = None
+        self.sender: Sender | None = None
+        self.receiver: Receiver | None = None
+        self._server: RegistrationServer | None = None
+        self._client: RegistrationClient | None = None
+
+    def register_kv_caches(self, kv_caches: Mapping[str, KVTensor]) -> None:
+        """Map and register the KV cache, connect the backend, and open the side channel or the watcher."""
+        if self.connection is not None:
+            raise ConfigError("register_kv_caches was called twice; kvwire's connector registers its KV cache once")
+        local = layout_from_kv_caches(kv_caches)  # LayoutError naming the layer before anything is opened
+        settings = self.settings
+        connection = connect(settings.backend, settings.backend_config)
+        try:
+            connection.register_kv_buffers(local.layout)
+            key = load_key(None, "KVWIRE_CONTROL_KEY")
+            timeout_s = max(settings.backend_config.timeout_s, 5.0)
+            if self.producer:
+                self.sender = Sender(WorkerRank(connection, local, self.tp_rank, self.tp_size), settings.lease_s)
+                port = settings.side_channel_port + self.tp_rank
+                self._server = RegistrationServer(settings.side_channel_host, port, self.sender.handle, key, timeout_s)
+            if self.consumer:
+                self._client = RegistrationClient(key, timeout_s)
+                rank = WorkerRank(connection, local, self.tp_rank, self.tp_size)
+                self.receiver = Receiver(rank, self._client, settings.load_timeout_s)
+        except BaseException:
+            self.shutdown_parts(connection)
+            raise
+        self.local, self.connection = local, connection
+        log.info(
+            "kvwire: %d layers x %d blocks of %d bytes registered with backend %r (endpoint %.60s)",
+            len(local.layer_names),
+            local.num_blocks,
+            local.block_bytes,
+            settings.backend,
+            connection.endpoint(),
+        )
+
+    def start(self, meta: StepMetadata) -> None:
+        """Start one step's work: mark finished prefills ready, register the decode's new requests."""
+        for ready in meta.to_send:
+            if self.sender is None:
+                log.error("kvwire: request %s finished on a worker that is not a kv_producer", ready.request_id)
+                continue
+            self.sender.mark_ready(ready)
+        for item in meta.to_receive:
+            if self.receiver is None:
+                log.error("kvwire: request %s waits for KV on a worker that is not a kv_consumer", item.request_id)
+                continue
+            self.receiver.start(item)
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose blocks vLLM may free here, requests whose blocks arrived or failed)."""
+        sent = self.sender.finished() if self.sender is not None else set()
+        received = self.receiver.finished() if self.receiver is not None else set()
+        return (sent or None), (received or None)
+
+    def load_errors(self) -> set[int]:
+        return self.receiver.load_errors() if self.receiver is not None else set()
+
+    def shutdown_parts(self, connection: Connection | None) -> None:
+        """Close what is open: the watcher, the side channel, the connection (each once)."""
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if connection is not None:
+            connection.close()
+
+    def shutdown(self) -> None:
+        connection, self.connection = self.connection, None
+        self.shutdown_parts(connection)

@@ -1,0 +1,337 @@
+"""One side of a vLLM prefill/decode pair on CPU, driven by a test over JSON lines (stdin -> stdout).
+
+    VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python tests/hosts/vllm/pd_node.py
+
+What runs is vLLM 0.33.0's own code, except the model: a ``VllmConfig`` with a tiny local Llama config (no
+weights), vLLM's v1 ``Scheduler`` (which creates the SCHEDULER-role connector through ``KVConnectorFactory``),
+world-size-1 gloo groups, ``ensure_kv_transfer_initialized`` (the WORKER-role connector, through the factory),
+the KV cache from ``allocate_kv_cache``, and each step's worker hooks through the model runner's own
+``KVConnectorModelRunnerMixin._get_kv_connector_output`` (bind, start_load_kv, wait_for_save,
+get_transfer_results, get_block_ids_with_load_errors, clear), or ``kv_connector_no_forward`` when nothing is
+scheduled. The "forward" of a prefill writes seeded random bytes into the scheduled request's blocks of every
+layer; a decode's writes nothing. Commands (kvwire.control.serve):
+
+  start   {role: prefill|decode, connector, module, extra, filler_tokens, num_blocks, layers, heads, head_size}
+  prefill {req_id, n_tokens, seed}            -> kv_transfer_params, block ids, per-block digests, t_finished
+  decode  {req_id, n_tokens, params, timeout_s, check_untouched}
+                                              -> block ids, digests, t_finished_recving, invalid blocks, status
+  step_until_sent {req_id, timeout_s}         -> when finished_sending reported it (its blocks freed)
+  digests {block_ids}                         -> per-block digests of this side's KV cache
+vLLM's logging goes to stderr: stdout carries only the replies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPLIES = os.fdopen(os.dup(1), "w", encoding="utf-8")  # vLLM logs to stdout: keep the real one for replies
+os.dup2(2, 1)
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("UCX_MODULES", "^efa")
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+from vllm.config import DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.distributed.kv_transfer.kv_transfer_state import (  # noqa: E402
+    ensure_kv_transfer_initialized,
+    ensure_kv_transfer_shutdown,
+    get_kv_transfer_group,
+)
+from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel  # noqa: E402
+from vllm.forward_context import set_forward_context  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+from kvwire.control import serve  # noqa: E402
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_hidden_layers": 2,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "float16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+BLOCK_SIZE, HEADS, HEAD_SIZE = 32, 2, 64  # a multiple of 32: the CPU backend's kernel block sizes, and NIXL's
+STEP_PAUSE_S = 0.0002  # between engine steps, as an idle engine loop would poll
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Node:
+    """A prefill or decode engine: real Scheduler, real worker-side connector, real KV cache, no model."""
+
+    def __init__(self, msg: dict[str, Any]) -> None:
+        self.role = msg["role"]
+        layers, heads, head_size = (
+            int(msg.get("layers", 2)),
+            int(msg.get("heads", HEADS)),
+            int(msg.get("head_size", HEAD_SIZE)),
+        )
+        self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+        model = dict(TINY_LLAMA, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads)
+        model.update(head_dim=head_size, hidden_size=heads * head_size)
+        # one path for both sides: vLLM's NIXL handshake hashes the model name into its compatibility check
+        self.model_dir = os.path.join(tempfile.gettempdir(), f"kvwire-vllm-tiny-llama-{layers}x{heads}x{head_size}")
+        os.makedirs(self.model_dir, exist_ok=True)
+        staged = Path(self.model_dir) / f"config.json.{os.getpid()}"
+        staged.write_text(json.dumps(model))
+        os.replace(staged, Path(self.model_dir) / "config.json")
+        model_config = ModelConfig(model=self.model_dir, skip_tokenizer_init=True, dtype="float16", max_model_len=4096)
+        self.config = VllmConfig(
+            model_config=model_config,
+            device_config=DeviceConfig(device="cpu"),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector=msg.get("connector", "KvwireConnector"),
+                kv_connector_module_path=msg.get("module", "kvwire.compat.vllm"),
+                kv_role="kv_producer" if self.role == "prefill" else "kv_consumer",
+                kv_buffer_device="cpu",
+                kv_connector_extra_config=msg.get("extra", {}),
+            ),
+        )
+        self.config.cache_config.block_size = BLOCK_SIZE
+        self.config.cache_config.kv_cache_layout = "LBHNC"  # what the engine core resolves for CPU_ATTN
+        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=head_size, dtype=torch.float16)
+        num_blocks = int(msg.get("num_blocks", 64))
+        self.kvc = get_kv_cache_config_from_groups(
+            self.config,
+            [KVCacheGroupSpec(list(self.layers), spec)],
+            available_memory=num_blocks * spec.page_size_bytes * layers,
+        )
+        self.config.cache_config.num_gpu_blocks = self.kvc.num_blocks
+        self._ctx = set_current_vllm_config(self.config)
+        self._ctx.__enter__()
+        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{_free_port()}", 0, backend="gloo")
+        initialize_model_parallel(1, 1)
+        self.scheduler = Scheduler(
+            vllm_config=self.config,
+            kv_cache_config=self.kvc,
+            structured_output_manager=StructuredOutputManager(self.config),
+            block_size=BLOCK_SIZE,
+            log_stats=False,
+        )
+        ensure_kv_transfer_initialized(self.config, self.kvc)
+        self.worker = get_kv_transfer_group()
+        layout = self.config.cache_config.get_resolved_kv_cache_layout()
+        self.kv_caches = allocate_kv_cache(self.kvc, torch.device("cpu"), layout)
+        self.worker.register_kv_caches(self.kv_caches)
+        handshake = self.worker.get_handshake_metadata()
+        if handshake is not None:  # vLLM's NIXL connectors: the engine core hands it to the scheduler side
+            self.scheduler.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
+        self.sent: set[str] = set()
+        self.recved: dict[str, float] = {}
+        self.invalid: set[int] = set()
+        self.finished_at: dict[str, float] = {}
+        self.finish_reasons: dict[str, str] = {}
+        self.params: dict[str, Any] = {}
+        self.seeds: dict[str, int] = {}
+        self.block_digests: dict[tuple[str, int], str] = {}
+        filler = int(msg.get("filler_tokens", 0))
+        if filler:  # a local request holding blocks, so the remote request's block ids differ from the prefill's
+            self.scheduler.add_request(self._request("filler", filler, None, max_tokens=4000))
+            self.step()
+
+    # -- the engine loop -------------------------------------------------------
+
+    def _request(self, req_id: str, n: int, params: dict[str, Any] | None, max_tokens: int) -> Request:
+        extra = {"kv_transfer_params": params} if params is not None else None
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
+        return Request(req_id, [3 + (i % 900) for i in range(n)], sp, None)
+
+    def _forward(self, out: Any) -> None:
+        """The model's KV writes: seeded random bytes into each newly scheduled prefill request's blocks."""
+        for new in out.scheduled_new_reqs:
+            seed = self.seeds.get(new.req_id)
+            if seed is None:
+                continue
+            gen = torch.Generator().manual_seed(seed)
+            for layer in self.layers:
+                for b in new.block_ids[0]:
+                    page = self.kv_caches[layer][b].view(torch.int16)
+                    page.copy_(torch.randint(-32768, 32767, page.shape, generator=gen, dtype=torch.int16))
+            # hashed here, inside the forward: before request_finished, outside the timed span
+            blocks = list(new.block_ids[0])
+            hashed = self.digests(blocks)
+            self.block_digests.update(
+                {(layer, b): hashed[layer][i] for layer in self.layers for i, b in enumerate(blocks)}
+            )
+
+    def step(self) -> None:
+        out = self.scheduler.schedule()
+        if out.total_num_scheduled_tokens == 0:
+            mro = KVConnectorModelRunnerMixin.kv_connector_no_forward(out, self.config)
+        else:
+            with (
+                set_forward_context(None, self.config),
+                KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_out,
+            ):
+                self._forward(out)
+            ids = [r.req_id for r in out.scheduled_new_reqs] + list(out.scheduled_cached_reqs.req_ids)
+            mro = ModelRunnerOutput(
+                req_ids=ids,
+                req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=[[7] for _ in ids],
+                kv_connector_output=kv_out,
+            )
+        now = time.monotonic()
+        kv = mro.kv_connector_output
+        if kv is not None:
+            self.sent |= set(kv.finished_sending or ())
+            for r in kv.finished_recving or ():
+                self.recved.setdefault(r, now)
+            self.invalid |= set(kv.invalid_block_ids or ())
+        engine_outputs = self.scheduler.update_from_output(out, mro)
+        for eco in engine_outputs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    self.finished_at.setdefault(o.request_id, now)
+                    self.finish_reasons[o.request_id] = str(o.finish_reason)
+                    if o.kv_transfer_params:
+                        self.params[o.request_id] = o.kv_transfer_params
+
+    def step_until(self, done: Any, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                return False
+            self.step()
+            time.sleep(STEP_PAUSE_S)
+        return True
+
+    # -- commands ----------------------------------------------------------------
+
+    def digests(self, block_ids: list[int]) -> dict[str, list[str]]:
+        """Per layer, the sha256 of each block's bytes (in ``block_ids`` order)."""
+        return {
+            layer: [
+                hashlib.sha256(self.kv_caches[layer][b].contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                for b in block_ids
+            ]
+            for layer in self.layers
+        }
+
+    def prefill(self, msg: dict[str, Any]) -> dict[str, Any]:
+        req_id = msg["req_id"]
+        self.seeds[req_id] = int(msg.get("seed", 1))
+        self.scheduler.add_request(self._request(req_id, int(msg["n_tokens"]), {"do_remote_decode": True}, 1))
+        if not self.step_until(lambda: req_id in self.params, float(msg.get("timeout_s", 30))):
+            raise RuntimeError(f"prefill {req_id} did not finish")
+        params = self.params[req_id]
+        self.step()  # the step whose metadata tells the worker the blocks are ready
+        ids = params.get("remote_block_ids")
+        flat = ids[0] if ids and isinstance(ids[0], (list, tuple)) else ids
+        return {
+            "params": params,
+            "block_ids": list(flat),
+            "digests": {layer: [self.block_digests[layer, b] for b in flat] for layer in self.layers},
+            "t_finished": self.finished_at[req_id],
+        }
+
+    def decode(self, msg: dict[str, Any]) -> dict[str, Any]:
+        req_id = msg["req_id"]
+        self.invalid = set()  # what get_block_ids_with_load_errors reports from here on
+        self.scheduler.add_request(self._request(req_id, int(msg["n_tokens"]), dict(msg["params"]), 2))
+        self.step()  # get_num_new_matched_tokens, update_state_after_alloc: the blocks are allocated
+        block_ids = list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+        before = self.digests(block_ids) if msg.get("check_untouched", True) else None
+        ok = self.step_until(lambda: req_id in self.recved, float(msg.get("timeout_s", 30)))
+        t_recv = self.recved.get(req_id)
+        after = self.digests(block_ids)
+        self.step()  # the request is scheduled (or failed) with what arrived
+        request = self.scheduler.requests.get(req_id)
+        side = getattr(self.worker, "worker_side", None)
+        receiver = getattr(side, "receiver", None)
+        return {
+            "finished_recving": ok,
+            "t_finished_recving": t_recv,
+            "block_ids": block_ids,
+            "digests_before": before,
+            "digests": after,
+            "invalid_block_ids": sorted(self.invalid),
+            "status": str(request.status) if request is not None else "gone",
+            "finish_reason": self.finish_reasons.get(req_id),
+            "failures": {r: why for r, why in (getattr(receiver, "failures", {}) or {}).items() if r == req_id},
+        }
+
+    def step_until_sent(self, msg: dict[str, Any]) -> dict[str, Any]:
+        req_id = msg["req_id"]
+        ok = self.step_until(lambda: req_id in self.sent, float(msg.get("timeout_s", 30)))
+        side = getattr(self.worker, "worker_side", None)
+        sender = getattr(side, "sender", None)
+        return {
+            "sent": ok,
+            "in_requests": req_id in self.scheduler.requests,
+            "free_blocks": self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+            "failures": list(getattr(sender, "failures", []) or []),
+        }
+
+    def close(self) -> None:
+        ensure_kv_transfer_shutdown()
+
+
+def main() -> None:
+    node: Node | None = None
+
+    def start(msg: dict[str, Any]) -> dict[str, Any]:
+        nonlocal node
+        node = Node(msg)
+        return {"ok": True, "num_blocks": node.kvc.num_blocks, "pid": os.getpid()}
+
+    def call(name: str) -> Any:
+        def run(msg: dict[str, Any]) -> dict[str, Any]:
+            assert node is not None, "send 'start' first"
+            result: dict[str, Any] = getattr(node, name)(msg)
+            return result
+
+        return run
+
+    def digests(msg: dict[str, Any]) -> dict[str, Any]:
+        assert node is not None
+        return {"digests": node.digests(list(msg["block_ids"]))}
+
+    try:
+        serve(
+            {
+                "start": start,
+                "prefill": call("prefill"),
+                "decode": call("decode"),
+                "step_until_sent": call("step_until_sent"),
+                "digests": digests,
+            },
+            stdout=REPLIES,
+        )
+    finally:
+        if node is not None:
+            node.close()
+
+
+if __name__ == "__main__":
+    main()
