@@ -138,7 +138,7 @@ def test_a_memory_kind_per_buffer_makes_a_split_destination() -> None:
             "mla",
             1,
             ["host"] * 3,
-            "memory has 3 kinds; expected one for all buffers or one per buffer (4)",
+            "memory: expected 4 memory kinds (one per buffer), got 3",
         ),
     ],
     ids=["odd-mha-draft", "all-draft", "per-layer-ids-with-draft", "colliding-band", "mha-draft-on-mla", "kinds"],

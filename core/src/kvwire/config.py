@@ -17,7 +17,7 @@ from typing import Any
 
 from kvwire.errors import ConfigError
 
-__all__ = ["BackendConfig"]
+__all__ = ["BackendConfig", "check_seconds"]
 
 
 @dataclass(frozen=True)
@@ -129,3 +129,15 @@ class BackendConfig:
     def option(self, key: str, default: object = None) -> object:
         """A backend-specific option, or ``default``."""
         return self.options.get(key, default)
+
+
+def check_seconds(value: object, what: str, *, zero: bool = False) -> float:
+    """``value`` as a number of seconds: finite and > 0 (>= 0 with ``zero``), not a bool.
+
+    :class:`kvwire.ConfigError` naming ``what`` otherwise: ``<what> must be a finite number of
+    seconds > 0, got <value>``.
+    """
+    number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    if not (math.isfinite(number) and (number >= 0 if zero else number > 0)):
+        raise ConfigError(f"{what} must be a finite number of seconds {'>=' if zero else '>'} 0, got {value!r}")
+    return float(number)

@@ -13,7 +13,6 @@ CPU that the transfers it watches need: the default pause between empty polls,
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import OrderedDict, deque
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
+from kvwire.config import check_seconds
 from kvwire.errors import ConfigError, TransferTimeoutError
 from kvwire.submit.notifications import Notification
 
@@ -197,6 +197,4 @@ class NotificationWatcher:
 
 
 def _timeout(timeout_s: object) -> float:
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 <= timeout_s < math.inf:
-        raise ConfigError(f"timeout_s must be a finite number of seconds >= 0, got {timeout_s!r}")
-    return float(timeout_s)
+    return check_seconds(timeout_s, "timeout_s", zero=True)

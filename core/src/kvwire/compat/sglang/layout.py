@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from kvwire.errors import InvalidTransferError
+from kvwire.layout.arrays import memory_per_buffer
 from kvwire.layout.buffers import HeadLayout, KVBuffer, LayoutError, MemoryKind, Role
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.planning.pairing import layer_id_list
@@ -163,7 +164,7 @@ def layout_from_kv_args(
         ids, roles = _entry_ids(given, n, drafts, attention, first_layer, draft_first_layer)
     else:
         ids, roles = _target_entry_ids(given, n, attention, first_layer)
-    kinds = _memory_kinds(memory, n)
+    kinds = memory_per_buffer(memory, n)
     buffers = []
     for i, (ptr, length, item) in enumerate(zip(kv_data_ptrs, kv_data_lens, kv_item_lens)):
         if item <= 0:
@@ -195,13 +196,3 @@ def _target_entry_ids(
     if attention == "mla":
         return ids, [kv] * n
     return ids + ids, [k] * per_layer + [v] * per_layer
-
-
-def _memory_kinds(memory: MemoryKind | Sequence[MemoryKind], n: int) -> list[MemoryKind]:
-    """One memory kind per buffer: ``memory`` for all, or as given (then exactly ``n`` of them)."""
-    if isinstance(memory, str):
-        return [memory] * n
-    kinds = list(memory)
-    if len(kinds) != n:
-        raise LayoutError(f"memory has {len(kinds)} kinds; expected one for all buffers or one per buffer ({n})")
-    return kinds
