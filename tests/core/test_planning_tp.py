@@ -427,6 +427,22 @@ def test_known_vector_head_major_pages_move_one_run_per_page_both_ways() -> None
         assert triples(got) == [(k + 2 * 8, dk + 7 * 16 + 8 * p, 8), (v + 2 * 8, dv + 7 * 16 + 8 * p, 8)]
 
 
+def test_vllm_style_kv_blocks_with_head_major_heads_are_mha_and_sliced_per_block() -> None:
+    """One 'kv' buffer per layer whose block is [heads, tokens, K|V] (vLLM's): head-sliced like MHA."""
+
+    # 2 KV heads, 2 tokens a block, K|V of 2 x 2 bytes per token: a prefill block is 16 B, a decode rank's 8 B
+    def rank(base: int, tp: int, r: int) -> KVLayout:
+        heads = HeadLayout(2 // tp, 2, 4, 1, 2, head_major=True)
+        return KVLayout((KVBuffer(base, heads.page_bytes, 8, 0, "kv"),), tp, r, heads)
+
+    local, peer = rank(1 << 20, 1, 0), rank(1 << 30, 2, 1)
+    assert local.attention == peer.attention == "mha" and needs_head_slicing(local, peer)
+    got = plan_transfer(local, peer, np.array([3], np.int32), [peer.buffers[0].base], np.array([5], np.int32))
+    assert triples(got) == [((1 << 20) + 3 * 16 + 8, (1 << 30) + 5 * 8, 8)]  # head 1's K|V of both tokens
+    mla = KVLayout((KVBuffer(1 << 20, 16, 8, 0, "kv"),), 1, 0)
+    assert mla.attention == "mla"
+
+
 def test_pages_of_different_orders_are_refused_before_planning() -> None:
     ptrs_of = lambda layout: [b.base for b in layout.buffers]  # noqa: E731
     one = np.array([0], np.int32)
@@ -686,8 +702,13 @@ def test_layout_fields_are_validated() -> None:
         KVLayout((KVBuffer(4096, 12, 4, 0, "k"),), 4, 0, HeadLayout(1, 6, 3, 2, 2))
     with pytest.raises(LayoutError, match=re.escape("HeadLayout.total_kv_heads = 3 does not divide attn_tp_size = 4")):
         KVLayout((KVBuffer(4096, 12, 4, 0, "k"),), 4, 0, HeadLayout(1, 3, 3, 2, 2))
-    with pytest.raises(LayoutError, match=re.escape("KVLayout.heads: MLA buffers ('kv') are not head-sliced")):
+    with pytest.raises(LayoutError) as exc:
         KVLayout((KVBuffer(4096, 16, 4, 0, "kv"),), 1, 0, heads)
+    assert str(exc.value) == (
+        "KVLayout.heads: 'kv' buffers are head-sliced only as head-major pages that hold each head's K and V "
+        "together (vLLM's blocks: HeadLayout(..., head_major=True) with head_dim K + V); an MLA latent buffer is "
+        "not head-sliced: leave heads None"
+    )
     for args, message in [
         ((0, 2, 2, 2, 2), "HeadLayout.kv_heads must be >= 1, got 0"),
         ((3, 2, 2, 2, 2), "HeadLayout.kv_heads = 3 exceeds total_kv_heads = 2"),

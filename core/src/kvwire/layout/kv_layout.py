@@ -128,8 +128,12 @@ class KVLayout:
             return
         if not isinstance(heads, HeadLayout):
             raise LayoutError(f"KVLayout.heads must be a HeadLayout or None, got {type(heads).__name__}")
-        if roles == {"kv"}:
-            raise LayoutError("KVLayout.heads: MLA buffers ('kv') are not head-sliced; leave heads None")
+        if roles == {"kv"} and not heads.head_major:
+            raise LayoutError(
+                "KVLayout.heads: 'kv' buffers are head-sliced only as head-major pages that hold each head's K and "
+                "V together (vLLM's blocks: HeadLayout(..., head_major=True) with head_dim K + V); an MLA latent "
+                "buffer is not head-sliced: leave heads None"
+            )
         if self.attn_tp_size is None or self.attn_tp_rank is None:
             raise LayoutError("KVLayout.heads needs attn_tp_size and attn_tp_rank (the rank's attention-TP group)")
         heads.check_tp(self.attn_tp_size)
@@ -208,8 +212,12 @@ class KVLayout:
 
     @property
     def attention(self) -> Literal["mha", "mla"]:
-        """``"mla"`` when every buffer is ``"kv"``, else ``"mha"``."""
-        return "mla" if self.buffers[0].role == "kv" else "mha"
+        """``"mla"`` when every buffer is ``"kv"`` and no heads are recorded, else ``"mha"``.
+
+        ``"kv"`` buffers with (head-major) heads hold each MHA head's K and V together, as vLLM's
+        blocks do: they are MHA pages, head-sliced across TP sizes like any other.
+        """
+        return "mla" if self.buffers[0].role == "kv" and self.heads is None else "mha"
 
     @cached_property
     def bases(self) -> NDArray[np.int64]:
