@@ -63,7 +63,8 @@ demo: setup
 # The API reference, generated from the docstrings (pdoc), into build/api/ (open build/api/index.html).
 # Every warning is an error: a docstring pdoc cannot render fails the build.
 DOC_MODULES := kvwire kvwire.submit kvwire.transport kvwire.planning kvwire.layout kvwire.spec kvwire.metrics \
-	kvwire.testing kvwire.lint kvwire.compat.sglang
+	kvwire.testing kvwire.lint kvwire.compat.sglang \
+	kvwire.compat.vllm.layout kvwire.compat.vllm.settings kvwire.compat.vllm.params kvwire.compat.vllm.registration
 docs: setup
 	rm -rf build/api
 	$(PY) -W error -m pdoc --docformat restructuredtext $(DOC_MODULES) -o build/api
