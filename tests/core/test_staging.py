@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from tp_oracle import PAGES, oracle, routed, spec
+from tp_oracle import ELEM, HEAD_DIM, PAGES, TOTAL_HEADS, oracle, routed, spec
 
 import kvwire
 from kvwire.planning.plan import TransferPlan
@@ -127,6 +127,24 @@ def test_gather_refuses_plans_it_cannot_or_need_not_stage() -> None:
     assert gather_of(plan(strided_src[:MIN_GAIN], contiguous[:MIN_GAIN], [item] * MIN_GAIN), layout) is None
     on_device = replace(layout, buffers=tuple(replace(b, memory="device") for b in layout.buffers))
     assert gather_of(plan(strided_src, contiguous, [item] * n), on_device) is None  # no host gather from a GPU
+    # the transport's staging_max_item: slices this large or larger are written as planned
+    assert gather_of(plan(strided_src, contiguous, [item] * n), layout, item + 1) is not None
+    assert gather_of(plan(strided_src, contiguous, [item] * n), layout, item) is None
+
+
+def test_a_transport_with_a_staging_limit_writes_slices_at_the_limit_as_planned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvwire.backends.local import LocalTransport
+
+    slice_bytes = (TOTAL_HEADS // 2) * HEAD_DIM * ELEM  # one token's heads at decode TP 2: one slice
+    monkeypatch.setattr(LocalTransport, "staging_max_item", slice_bytes, raising=False)
+    for d, ok, lengths, sliced in _send_all(1, 2):
+        assert ok, f"decode rank {d}"
+        assert sliced in lengths  # not staged: the slices are as large as the limit
+    monkeypatch.setattr(LocalTransport, "staging_max_item", slice_bytes + 1, raising=False)
+    for d, ok, lengths, sliced in _send_all(1, 2):
+        assert ok and max(lengths) * MIN_GAIN <= sliced, f"decode rank {d}: {lengths}"
 
 
 def test_a_staged_send_that_races_close_is_told_the_backend_is_closed() -> None:

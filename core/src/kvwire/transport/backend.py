@@ -114,7 +114,8 @@ class TransportBackend(ABC):
         plan = plan_request(request, local, peer)
         planned = telemetry.clock()
         if len(plan):
-            gather = gather_of(plan, local) if self._staging is not None else None
+            limit = getattr(self.transport, "staging_max_item", None)
+            gather = gather_of(plan, local, limit) if self._staging is not None else None
             if gather is not None and self._staging is not None:
                 self._staging.write(session_id, gather)
             else:

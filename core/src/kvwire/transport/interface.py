@@ -35,9 +35,13 @@ class Transport(ABC):
     :meth:`register_memory`, and written in whole destination runs
     (:mod:`kvwire.transport.staging`). A transport sets it True when one large
     descriptor costs it less than many small ones, as every network engine's does.
+    ``staging_max_item`` (default None: no limit): slices of this many bytes or
+    more are written as planned, where the engine's cost per descriptor is already
+    small next to the gather's extra copy.
     """
 
     staged_writes: bool = False
+    staging_max_item: int | None = None
 
     @property
     @abstractmethod

@@ -13,7 +13,8 @@ descriptors as destination runs (whole pages, coalesced).
 :func:`gather_of` decides per plan, from the plan and the local layout alone
 (else the plan is written as planned):
 
-* every descriptor has one length ``L`` and its source lies in one host buffer
+* every descriptor has one length ``L`` (below the transport's
+  ``staging_max_item``, if it sets one) and its source lies in one host buffer
   of the local layout, at an offset that is a multiple of ``L``;
 * runs of contiguous destinations (``dst[i + 1] == dst[i] + L``) cut the
   descriptor count at least :data:`MIN_GAIN`-fold.
@@ -62,13 +63,16 @@ class Gather:
     run_start: NDArray[np.bool_]  # (n,) True where a destination run starts
 
 
-def gather_of(plan: TransferPlan, local: KVLayout) -> Gather | None:
-    """The :class:`Gather` of ``plan``, or None when staging does not apply or would not pay (module docstring)."""
+def gather_of(plan: TransferPlan, local: KVLayout, max_item: int | None = None) -> Gather | None:
+    """The :class:`Gather` of ``plan``, or None when staging does not apply or would not pay (module docstring).
+
+    ``max_item``: the transport's ``staging_max_item`` (slices this large or larger are not staged).
+    """
     n = len(plan)
     if n < 2 * MIN_GAIN:
         return None
     item = int(plan.length[0])
-    if item <= 0 or not (plan.length == item).all():
+    if item <= 0 or (max_item is not None and item >= max_item) or not (plan.length == item).all():
         return None
     dst = plan.dst
     run_start = np.empty(n, dtype=np.bool_)
