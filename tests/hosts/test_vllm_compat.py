@@ -16,11 +16,16 @@ from typing import Any
 import pytest
 import torch
 
-from kvwire import ConfigError, InvalidTransferError, LayoutError
+from kvwire import ConfigError, HeadLayout, InvalidTransferError, LayoutError, PeerDescription
 from kvwire.compat.vllm import ConnectorSettings, layout_from_kv_caches, parse_remote_prefill, prefill_params
 from kvwire.compat.vllm.metadata import ReadyToSend, StepMetadata
 from kvwire.compat.vllm.rank import WorkerRank
-from kvwire.compat.vllm.registration import Registration, notification_for, request_of_notification
+from kvwire.compat.vllm.registration import (
+    Registration,
+    notification_for,
+    parse_notification,
+    request_of_notification,
+)
 from kvwire.compat.vllm.scheduler import SchedulerSide
 from kvwire.compat.vllm.sending import Sender
 from kvwire.compat.vllm.worker import WorkerSide
@@ -29,13 +34,13 @@ LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 BLOCKS, HEADS, TOKENS, DIMS = 8, 2, 32, 128  # fp16: 16384-byte blocks
 
 
-def vllm_kv_caches(num_blocks: int = BLOCKS, layers: int = 2) -> dict[str, torch.Tensor]:
+def vllm_kv_caches(num_blocks: int = BLOCKS, layers: int = 2, heads: int = HEADS) -> dict[str, torch.Tensor]:
     """What vLLM's allocate_kv_cache returns on CPU (LBHNC): views at layer_stride into one int8 buffer."""
-    block = HEADS * TOKENS * DIMS * 2
+    block = heads * TOKENS * DIMS * 2
     raw = torch.zeros(layers * num_blocks * block, dtype=torch.int8)
     return {
         f"model.layers.{i}.self_attn.attn": torch.as_strided(
-            raw, (num_blocks, HEADS, TOKENS, DIMS * 2), (block, TOKENS * DIMS * 2, DIMS * 2, 1), i * num_blocks * block
+            raw, (num_blocks, heads, TOKENS, DIMS * 2), (block, TOKENS * DIMS * 2, DIMS * 2, 1), i * num_blocks * block
         ).view(torch.float16)
         for i in range(layers)
     }
@@ -326,3 +331,333 @@ def test_the_connector_class_says_vllm_is_missing_where_it_is() -> None:
         "kvwire.compat.vllm.KvwireConnector subclasses vLLM's KVConnectorBase_V1, and 'vllm' is not installed here: "
         "install vLLM in this environment (the rest of kvwire.compat.vllm works without it)"
     )
+
+
+# -- across TP sizes ---------------------------------------------------------------------------------------------
+# The oracles below are the test's own: which global KV heads a vLLM rank holds, and which prefill ranks a decode
+# rank receives from (vLLM's NIXL connector's and sglang's routing), written independently of kvwire's planner.
+
+
+def held_heads(tp: int, rank: int, total: int) -> range:
+    """vLLM's split: total // tp heads a rank, or (fewer heads than ranks) one head replicated on tp // total ranks."""
+    if total >= tp:
+        return range(rank * (total // tp), (rank + 1) * (total // tp))
+    return range(rank * total // tp, rank * total // tp + 1)
+
+
+def routed_senders(p_tp: int, d_tp: int, d: int) -> list[int]:
+    if p_tp <= d_tp:
+        return [d * p_tp // d_tp]
+    return list(range(d * (p_tp // d_tp), (d + 1) * (p_tp // d_tp)))
+
+
+def _randomize(caches: dict[str, torch.Tensor]) -> None:
+    for t in caches.values():
+        t.view(torch.int16).copy_(torch.randint(-30000, 30000, t.shape, dtype=torch.int16))
+
+
+def test_a_layout_with_the_models_kv_heads_records_its_tp_rank_and_head_major_blocks() -> None:
+    mapped = layout_from_kv_caches(vllm_kv_caches(), 2, 1, 4)
+    assert (mapped.layout.attn_tp_size, mapped.layout.attn_tp_rank) == (2, 1)
+    assert mapped.layout.heads == HeadLayout(2, 4, 128, 2, 32, head_major=True)
+    assert mapped.layout.attention == "mha" and mapped.block_bytes == 16384
+    assert layout_from_kv_caches(vllm_kv_caches()).layout.heads is None  # no total: same TP sizes only, as before
+    name = LAYERS[0]
+    for tp, total, why in (
+        (2, 3, "HeadLayout.total_kv_heads = 3 is not divisible by attn_tp_size = 2 (nor divides it)"),
+        (2, 8, "HeadLayout.kv_heads = 2, but total_kv_heads = 8 over attn_tp_size = 2 gives 4 per rank"),
+    ):
+        with pytest.raises(LayoutError) as info:
+            layout_from_kv_caches(vllm_kv_caches(), tp, 0, total)
+        assert str(info.value) == (
+            f"layer '{name}' (shape [8, 2, 32, 128]): its blocks cannot be sliced by KV head for TP rank 0 of {tp} "
+            f"with the model's {total} KV heads: {why}"
+        )
+
+
+def test_notifications_across_tp_sizes_name_the_prefill_rank_and_are_parsed_strictly() -> None:
+    assert notification_for("cmpl-7", 3) == b"kvwire.vllm.rank:3:cmpl-7"
+    assert parse_notification(notification_for("a:b", 12)) == ("a:b", 12)
+    assert parse_notification(notification_for("cmpl-7")) == ("cmpl-7", None)
+    assert request_of_notification(notification_for("cmpl-7", 0)) is None  # not the one-sender form
+    for bad in (b"kvwire.vllm.rank:", b"kvwire.vllm.rank:1", b"kvwire.vllm.rank:1:", b"kvwire.vllm.rank:-1:r",
+                b"kvwire.vllm.rank:01:r", b"kvwire.vllm.rank:x:r", b"kvwire.vllm.rank: 1:r", b"kvwire.vllm.rank:1:\xff",
+                b"kvwire.vllm.rank:1234567890:r"):  # fmt: skip
+        assert parse_notification(bad) is None, bad
+
+
+def _queued(work: WorkerSide, count: int) -> Any:
+    """True once the prefill worker queued ``count`` decode ranks' registrations for p0."""
+    sender = work.sender
+    assert sender is not None
+    return lambda: len(sender._waiting.get("p0", {})) == count
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "total"),
+    [(1, 2, 4), (2, 1, 4), (2, 4, 4), (4, 1, 2), (1, 4, 2), (2, 4, 2)],
+    ids=["1to2", "2to1", "2to4", "4to1-gqa-2-heads", "1to4-gqa-2-heads", "2to4-gqa-2-heads"],
+)
+def test_blocks_move_head_by_head_across_tp_sizes(p_tp: int, d_tp: int, total: int) -> None:
+    settings = ConnectorSettings.from_extra_config({"backend": "local", "side_channel_port": _port(), "lease_s": 60})
+    p_sched = SchedulerSide(settings, "engine-p", p_tp, producer=True, consumer=False, total_kv_heads=total)
+    d_sched = SchedulerSide(settings, "engine-d", d_tp, producer=False, consumer=True, total_kv_heads=total)
+    p_caches = [vllm_kv_caches(heads=max(1, total // p_tp)) for _ in range(p_tp)]
+    d_caches = [vllm_kv_caches(heads=max(1, total // d_tp)) for _ in range(d_tp)]
+    for caches in p_caches:
+        _randomize(caches)  # every rank different, replicas of a head too: the bytes say which rank wrote them
+    p_work = [WorkerSide(settings, r, p_tp, producer=True, consumer=False, total_kv_heads=total) for r in range(p_tp)]
+    d_work = [WorkerSide(settings, r, d_tp, producer=False, consumer=True, total_kv_heads=total) for r in range(d_tp)]
+    try:
+        for work, caches in [*zip(p_work, p_caches, strict=True), *zip(d_work, d_caches, strict=True)]:
+            work.register_kv_caches(caches)
+        prefill = _request("p0", 70, {"do_remote_decode": True}, status="FINISHED_LENGTH_CAPPED")
+        _, params = p_sched.request_finished(prefill, [1, 2, 3])
+        assert params is not None and params["tp_size"] == p_tp
+        p_meta = p_sched.build_connector_meta(None)
+        decode = _request("d0", 70, dict(params))
+        assert d_sched.get_num_new_matched_tokens(decode, 0) == (70, True)
+        d_sched.update_state_after_alloc(decode, _blocks([6, 4, 5]), 70)
+        d_meta = d_sched.build_connector_meta(None)  # every decode rank gets the step's metadata
+        for work in d_work:  # the decode registers first: each prefill rank queues its decode ranks' registrations
+            work.start(d_meta)
+        for r, work in enumerate(p_work):
+            routed = [d for d in range(d_tp) if r in routed_senders(p_tp, d_tp, d)]
+            _until(_queued(work, len(routed)))
+        for work in p_work:
+            work.start(p_meta)
+        for work in d_work:
+            assert _until(lambda w=work: w.get_finished()[1]) == {"d0"} and work.load_errors() == set()
+        for d, caches in enumerate(d_caches):
+            for name in LAYERS:
+                got = caches[name].view(torch.int16)
+                for p_block, d_block in ((1, 6), (2, 4), (3, 5)):
+                    for j, head in enumerate(held_heads(d_tp, d, total)):
+                        writer = min(s for s in routed_senders(p_tp, d_tp, d) if head in held_heads(p_tp, s, total))
+                        local = head - held_heads(p_tp, writer, total).start
+                        want = p_caches[writer][name].view(torch.int16)[p_block, local]
+                        assert torch.equal(got[d_block, j], want), (d, name, d_block, head, writer)
+                assert not got[[1, 2, 3, 7]].any()  # nothing else written
+        for work in p_work:
+            assert _until(lambda w=work: w.get_finished()[0]) == {"p0"}
+    finally:
+        for work in [*p_work, *d_work]:
+            work.shutdown()
+
+
+def _registration(p0_blocks: tuple[int, ...], d_tp: int, d: int, total: int | None) -> Registration:
+    peer = layout_from_kv_caches(vllm_kv_caches(heads=max(1, (total or 4) // d_tp)), d_tp, d, total)
+    return Registration("p0", "d0", p0_blocks, (3, 4), tuple(LAYERS), d, d_tp, 30.0, PeerDescription("ep", peer.layout))
+
+
+def test_a_prefill_rank_takes_only_the_decode_ranks_routed_to_it() -> None:
+    def sender(p_tp: int, p: int, total: int | None = 4) -> Sender:
+        mapped = layout_from_kv_caches(vllm_kv_caches(heads=max(1, 4 // p_tp)), p_tp, p, total)
+        connection = SimpleNamespace(config=SimpleNamespace(timeout_s=10.0))
+        return Sender(WorkerRank(connection, mapped, p, p_tp, Clock()), lease_s=30)  # type: ignore[arg-type]
+
+    start = "registration for 'p0': the decode is TP rank"
+    refused = [
+        (sender(2, 1), _registration((1, 2), 4, 0, 4), f"{start} 0 of 4, this prefill worker rank 1 of 2: decode "
+         "rank 0 receives from prefill rank 0, not from this one; register with the prefill ranks routed to it "
+         "(nothing was sent)"),
+        (sender(4, 2), _registration((1, 2), 2, 0, 4), f"{start} 0 of 2, this prefill worker rank 2 of 4: decode "
+         "rank 0 receives from prefill ranks 0..1, not from this one; register with the prefill ranks routed to it "
+         "(nothing was sent)"),
+        (sender(2, 0), _registration((1, 2), 1, 0, None), f"{start} 0 of 1, this prefill worker rank 0 of 2: "
+         "different TP sizes need both KV caches described by KV head, and the decode's is not (its connector was "
+         "not given the model's total KV heads: vllm_config.model_config)"),
+        (sender(2, 0), _registration((1, 2), 2, 1, 4), f"{start} 1 of 2, this prefill worker rank 0 of 2: kvwire's "
+         "vLLM connector moves whole blocks between equal TP sizes, rank to rank"),
+        (sender(2, 0), _registration((1, 9), 4, 1, 4), "prefill_block_ids[1] = 9 is not a block of this KV cache: "
+         "ids run 1..7 (block 0 is vLLM's null block)"),
+    ]  # fmt: skip
+    for s, reg, message in refused:
+        assert s.handle(reg.to_dict()) == {"error": message}
+    routed = sender(2, 1)
+    for d in (2, 3):  # decode ranks 2 and 3 of 4 receive from prefill rank 1 of 2: queued until p0 is ready
+        assert routed.handle(_registration((1, 2), 4, d, 4).to_dict()) == {"queued": "p0"}
+    assert sender(4, 3).handle(_registration((1, 2), 2, 1, 4).to_dict()) == {"queued": "p0"}
+    owned = sender(2, 1)
+    owned.mark_ready(ReadyToSend("p0", (1, 5)))
+    assert owned.handle(_registration((1, 2), 4, 2, 4).to_dict()) == {
+        "error": "prefill_block_ids [1, 2] are not the blocks request 'p0' holds ([1, 5], or their tail); nothing "
+        "was sent"
+    }
+
+
+def _two_to_one(
+    settings: ConnectorSettings, ranks: tuple[int, ...]
+) -> tuple[list[WorkerSide], WorkerSide, dict[str, Any]]:
+    """Prefill TP 2 (only ``ranks`` running), decode TP 1, 4 KV heads: p0 holds blocks 1, 2; params for d0."""
+    p_work = [WorkerSide(settings, r, 2, producer=True, consumer=False, total_kv_heads=4) for r in ranks]
+    for work in p_work:
+        work.register_kv_caches(vllm_kv_caches())
+    d_work = WorkerSide(settings, 0, 1, producer=False, consumer=True, total_kv_heads=4)
+    d_work.register_kv_caches(vllm_kv_caches(heads=4))
+    return p_work, d_work, prefill_params("p0", "e", "127.0.0.1", settings.side_channel_port, [1, 2], 2, 40)
+
+
+def _decode(settings: ConnectorSettings, d_work: WorkerSide, params: dict[str, Any]) -> set[str]:
+    d_sched = SchedulerSide(settings, "engine-d", 1, producer=False, consumer=True, total_kv_heads=4)
+    decode = _request("d0", 40, params)
+    assert d_sched.get_num_new_matched_tokens(decode, 0) == (40, True)
+    d_sched.update_state_after_alloc(decode, _blocks([5, 6]), 40)
+    d_work.start(d_sched.build_connector_meta(None))
+    return set(_until(lambda: d_work.get_finished()[1]))
+
+
+def test_one_sender_refusing_fails_the_whole_request_across_tp_sizes() -> None:
+    settings = ConnectorSettings.from_extra_config({"backend": "local", "side_channel_port": _port()})
+    p_work, d_work, params = _two_to_one(settings, (0, 1))
+    try:
+        p_work[0].start(StepMetadata(to_send=(ReadyToSend("p0", (1, 2)),)))
+        p_work[1].start(StepMetadata(to_send=(ReadyToSend("p0", (1, 3)),)))  # rank 1 holds other blocks: refuses
+        assert _decode(settings, d_work, params) == {"d0"} and d_work.load_errors() == {5, 6}
+        assert d_work.receiver is not None and d_work.receiver.failures == {
+            "d0": "prefill rank 1 (of 2) did not take the registration: the prefill's kvwire side channel failed: "
+            "prefill_block_ids [1, 2] are not the blocks request 'p0' holds ([1, 3], or their tail); nothing was sent"
+        }
+    finally:
+        for work in [*p_work, d_work]:
+            work.shutdown()
+
+
+def test_one_sender_unreachable_fails_the_whole_request_across_tp_sizes() -> None:
+    settings = ConnectorSettings.from_extra_config({"backend": "local", "side_channel_port": _port()})
+    p_work, d_work, params = _two_to_one(settings, (0,))  # prefill rank 1 is not running
+    try:
+        p_work[0].start(StepMetadata(to_send=(ReadyToSend("p0", (1, 2)),)))
+        assert _decode(settings, d_work, params) == {"d0"} and d_work.load_errors() == {5, 6}
+        assert d_work.receiver is not None
+        assert d_work.receiver.failures["d0"].startswith("prefill rank 1 (of 2) did not take the registration: ")
+        assert _until(lambda: p_work[0].get_finished()[0]) == {"p0"}  # rank 0 wrote; vLLM frees its blocks
+    finally:
+        for work in [*p_work, d_work]:
+            work.shutdown()
+
+
+def test_one_sender_silent_fails_the_whole_request_at_load_timeout_across_tp_sizes() -> None:
+    settings = ConnectorSettings.from_extra_config(
+        {"backend": "local", "side_channel_port": _port(), "load_timeout_s": 1.5, "transfer_timeout_s": 0.2}
+    )
+    p_work, d_work, params = _two_to_one(settings, (0, 1))
+    try:
+        p_work[0].start(StepMetadata(to_send=(ReadyToSend("p0", (1, 2)),)))  # rank 1's scheduler never says so
+        t0 = time.monotonic()
+        assert _decode(settings, d_work, params) == {"d0"} and d_work.load_errors() == {5, 6}
+        assert 1.5 <= time.monotonic() - t0 < 5
+        assert d_work.receiver is not None and d_work.receiver.failures == {
+            "d0": "its blocks did not arrive within load_timeout_s = 1.5 s (from prefill ranks [1])"
+        }
+    finally:
+        for work in [*p_work, d_work]:
+            work.shutdown()
+
+
+def test_a_decode_takes_a_prefill_of_another_tp_size_only_when_it_can_be_sliced(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    settings = ConnectorSettings.from_extra_config({"backend": "nixl"})
+    for tp_size, total, prefill_tp, why in (
+        (2, None, 1, "kvwire's vLLM connector moves blocks across TP sizes only when it knows the model's total KV "
+         "heads (vllm_config.model_config)"),
+        (2, 6, 3, "across TP sizes the larger must be a multiple of the smaller"),
+        (2, 6, 4, "the model's 6 KV heads do not split over the prefill's 4 ranks"),
+    ):  # fmt: skip
+        caplog.clear()
+        d_sched = SchedulerSide(settings, "engine-d", tp_size, producer=False, consumer=True, total_kv_heads=total)
+        params = prefill_params("p0", "e", "127.0.0.1", 5710, [1, 2], prefill_tp, 40)
+        assert d_sched.get_num_new_matched_tokens(_request("d0", 40, params), 0) == (0, False)
+        assert params["do_remote_prefill"] is False
+        assert [r.getMessage() for r in caplog.records] == [
+            f"kvwire: request d0: the prefill runs tensor_parallel_size={prefill_tp}, this decode {tp_size}; {why}; "
+            "computing its prompt here"
+        ]
+    d_sched = SchedulerSide(settings, "engine-d", 2, producer=False, consumer=True, total_kv_heads=2)
+    params = prefill_params("p0", "e", "127.0.0.1", 5710, [1, 2], 4, 40)
+    assert d_sched.get_num_new_matched_tokens(_request("d0", 40, params), 0) == (40, True)
+
+
+def test_a_prefill_rank_frees_its_blocks_once_every_decode_rank_routed_to_it_is_written() -> None:
+    from concurrent.futures import Future
+
+    writes: list[tuple[str, list[int], list[int], bytes]] = []
+
+    def submit(endpoint: str, src: Any, ptrs: Any, dst: Any, notification: bytes) -> Future[int]:
+        writes.append((endpoint, src.tolist(), dst.tolist(), notification))
+        done: Future[int] = Future()
+        done.set_result(1)
+        return done
+
+    clock = Clock()
+    connection = SimpleNamespace(
+        config=SimpleNamespace(timeout_s=10.0), add_peer=lambda endpoint, layout: None, submit_kvcache=submit
+    )
+    mapped = layout_from_kv_caches(vllm_kv_caches(heads=4), 1, 0, 4)
+    sender = Sender(WorkerRank(connection, mapped, 0, 1, clock), lease_s=30)  # type: ignore[arg-type]
+    sender.mark_ready(ReadyToSend("p0", (1, 2)))
+    assert sender.handle(_registration((1, 2), 2, 1, 4).to_dict()) == {"accepted": "p0"}
+    assert sender.handle(_registration((1, 2), 2, 1, 4).to_dict()) == {
+        "error": "request 'p0': its blocks were already sent to decode rank 1"
+    }
+    assert sender.finished() == set()  # decode rank 0 of 2 is routed here too and has not registered
+    assert sender.handle(_registration((1, 2), 2, 0, 4).to_dict()) == {"accepted": "p0"}
+    assert sender.finished() == {"p0"}
+    assert [(w[1], w[2], w[3]) for w in writes] == [
+        ([1, 2], [3, 4], b"kvwire.vllm.rank:0:d0"),
+        ([1, 2], [3, 4], b"kvwire.vllm.rank:0:d0"),
+    ]
+    sender.mark_ready(ReadyToSend("p1", (1, 2)))  # only one decode rank asks: freed at the lease's end
+    assert sender.handle(_registration((1, 2), 2, 0, 4).to_dict() | {"prefill_request_id": "p1"}) == {"accepted": "p1"}
+    assert sender.finished() == set()
+    clock.now += 30
+    assert sender.finished() == {"p1"}
+
+
+def test_a_request_across_tp_sizes_is_done_only_when_every_sender_arrived() -> None:
+    settings = ConnectorSettings.from_extra_config({"backend": "local", "side_channel_port": _port()})
+    p_work, d_work, params = _two_to_one(settings, (0, 1))
+    try:
+        p_work[0].start(StepMetadata(to_send=(ReadyToSend("p0", (1, 2)),)))  # rank 1 is not ready yet
+        d_sched = SchedulerSide(settings, "engine-d", 1, producer=False, consumer=True, total_kv_heads=4)
+        decode = _request("d0", 40, params)
+        assert d_sched.get_num_new_matched_tokens(decode, 0) == (40, True)
+        d_sched.update_state_after_alloc(decode, _blocks([5, 6]), 40)
+        d_work.start(d_sched.build_connector_meta(None))
+        assert _until(lambda: p_work[0].get_finished()[0]) == {"p0"}  # rank 0's write ended
+        time.sleep(0.3)  # its notification has arrived by now
+        assert d_work.get_finished() == (None, None)  # rank 1's has not
+        p_work[1].start(StepMetadata(to_send=(ReadyToSend("p0", (1, 2)),)))
+        assert _until(lambda: d_work.get_finished()[1]) == {"d0"} and d_work.load_errors() == set()
+    finally:
+        for work in [*p_work, d_work]:
+            work.shutdown()
+
+
+def test_only_the_routed_senders_notifications_complete_a_request_across_tp_sizes() -> None:
+    settings = ConnectorSettings.from_extra_config({"backend": "local", "side_channel_port": _port()})
+    p_work, d_work, params = _two_to_one(settings, (0, 1))  # both listening, neither ready: nothing is written
+    try:
+        d_sched = SchedulerSide(settings, "engine-d", 1, producer=False, consumer=True, total_kv_heads=4)
+        decode = _request("d0", 40, params)
+        assert d_sched.get_num_new_matched_tokens(decode, 0) == (40, True)
+        d_sched.update_state_after_alloc(decode, _blocks([5, 6]), 40)
+        d_work.start(d_sched.build_connector_meta(None))
+        _until(_queued(p_work[0], 1))
+        _until(_queued(p_work[1], 1))
+        receiver = d_work.receiver
+        assert receiver is not None
+
+        def arrive(message: bytes) -> None:
+            receiver._on_arrival(SimpleNamespace(notification=SimpleNamespace(message=message)))  # type: ignore[arg-type]
+
+        for stray in (notification_for("d0"), notification_for("d0", 2), notification_for("d1", 1), b"other"):
+            arrive(stray)
+        arrive(notification_for("d0", 0))
+        assert d_work.get_finished() == (None, None)
+        arrive(notification_for("d0", 1))
+        assert d_work.get_finished() == (None, {"d0"}) and d_work.load_errors() == set()
+    finally:
+        for work in [*p_work, d_work]:
+            work.shutdown()

@@ -10,6 +10,9 @@ Everything runs in the cached ``.venv-vllm`` (see ``test_vllm_real.py`` and test
   "forward" writes random bytes into its blocks, and every block is compared byte for byte (sha256 per
   block and layer) on the decode, whose block ids differ from the prefill's. Through kvwire-mooncake and
   kvwire-nixl; then the failures: a bad block id refused before anything moves, a killed prefill.
+* Across TP sizes: a TP-1 prefill and a TP-2 decode (two ``pd_node.py`` processes, one per TP rank, in one
+  gloo group), 4 KV heads: each decode rank's blocks hold exactly its two heads of the prefill's blocks
+  (sha256 per block, layer and head).
 """
 
 from __future__ import annotations
@@ -206,3 +209,36 @@ def test_a_killed_prefill_leaves_the_decodes_blocks_as_load_errors_in_bounded_ti
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_tp1_prefill_fills_a_tp2_decode_head_by_head(vllm_python: Path) -> None:
+    extra = _extra("nixl", _free_port())
+    prefill = NodeProcess(vllm_python, "TP-1 prefill")
+    decodes = [NodeProcess(vllm_python, f"TP-2 decode rank {r}") for r in range(2)]
+    try:
+        prefill.call("start", role="prefill", extra=extra, heads=4)
+        dist_port = _free_port()
+        for r, node in enumerate(decodes):  # the two ranks meet in one gloo group: start them together
+            node.send(
+                {"cmd": "start", "role": "decode", "extra": extra, "filler_tokens": PROMPT, "heads": 4}
+                | {"tp_size": 2, "tp_rank": r, "dist_port": dist_port},
+                180,
+            )
+        for node in decodes:
+            node.read(180)
+        sent = prefill.call("prefill", req_id="p0", n_tokens=PROMPT, seed=21)
+        want = prefill.call("head_digests", block_ids=sent["block_ids"])["digests"]
+        assert all(len(blocks) == 4 and len(set(blocks[0])) == 4 for blocks in want.values())  # 4 distinct heads
+        assert sent["params"]["tp_size"] == 1
+        for r, node in enumerate(decodes):
+            got = node.call("decode", req_id="d0", n_tokens=PROMPT, params=sent["params"], timeout_s=60)
+            assert got["finished_recving"] is True and got["failures"] == {}, got
+            assert got["invalid_block_ids"] == [] and got["status"] == "RUNNING"
+            assert not set(sent["block_ids"]) & set(got["block_ids"])  # every block lands on a different id
+            heads = node.call("head_digests", block_ids=got["block_ids"])["digests"]
+            assert heads == {layer: [b[2 * r : 2 * r + 2] for b in want[layer]] for layer in LAYERS}
+        freed = prefill.call("step_until_sent", req_id="p0", timeout_s=30)  # after both decode ranks' writes
+        assert freed == {"sent": True, "in_requests": False, "free_blocks": 63, "failures": []}
+    finally:
+        for node in [prefill, *decodes]:
+            node.close()

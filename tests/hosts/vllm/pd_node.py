@@ -11,12 +11,15 @@ get_transfer_results, get_block_ids_with_load_errors, clear), or ``kv_connector_
 scheduled. The "forward" of a prefill writes seeded random bytes into the scheduled request's blocks of every
 layer; a decode's writes nothing. Commands (kvwire.control.serve):
 
-  start   {role: prefill|decode, connector, module, extra, filler_tokens, num_blocks, layers, heads, head_size}
+  start   {role: prefill|decode, connector, module, extra, filler_tokens, num_blocks, layers, heads, head_size,
+           tp_size, tp_rank, dist_port}   (one node per TP rank: tp_size nodes start together on dist_port, each
+                                           with its own Scheduler and max(1, heads // tp_size) KV heads)
   prefill {req_id, n_tokens, seed}            -> kv_transfer_params, block ids, per-block digests, t_finished
   decode  {req_id, n_tokens, params, timeout_s, check_untouched}
                                               -> block ids, digests, t_finished_recving, invalid blocks, status
   step_until_sent {req_id, timeout_s}         -> when finished_sending reported it (its blocks freed)
   digests {block_ids}                         -> per-block digests of this side's KV cache
+  head_digests {block_ids}                    -> per-block, per-KV-head digests of this side's KV cache
 vLLM's logging goes to stderr: stdout carries only the replies.
 """
 
@@ -40,7 +43,14 @@ os.environ.setdefault("UCX_MODULES", "^efa")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from vllm.config import DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.config import (  # noqa: E402
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
 from vllm.distributed.kv_transfer.kv_transfer_state import (  # noqa: E402
     ensure_kv_transfer_initialized,
     ensure_kv_transfer_shutdown,
@@ -96,6 +106,7 @@ class Node:
             int(msg.get("heads", HEADS)),
             int(msg.get("head_size", HEAD_SIZE)),
         )
+        tp_size, tp_rank = int(msg.get("tp_size", 1)), int(msg.get("tp_rank", 0))
         self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
         model = dict(TINY_LLAMA, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads)
         model.update(head_dim=head_size, hidden_size=heads * head_size)
@@ -109,6 +120,7 @@ class Node:
         self.config = VllmConfig(
             model_config=model_config,
             device_config=DeviceConfig(device="cpu"),
+            parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
             kv_transfer_config=KVTransferConfig(
                 kv_connector=msg.get("connector", "KvwireConnector"),
                 kv_connector_module_path=msg.get("module", "kvwire.compat.vllm"),
@@ -119,7 +131,10 @@ class Node:
         )
         self.config.cache_config.block_size = BLOCK_SIZE
         self.config.cache_config.kv_cache_layout = "LBHNC"  # what the engine core resolves for CPU_ATTN
-        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=head_size, dtype=torch.float16)
+        rank_heads = max(1, heads // tp_size)  # vLLM's split: fewer KV heads than ranks replicates them
+        spec = FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=rank_heads, head_size=head_size, dtype=torch.float16
+        )
         num_blocks = int(msg.get("num_blocks", 64))
         self.kvc = get_kv_cache_config_from_groups(
             self.config,
@@ -129,8 +144,9 @@ class Node:
         self.config.cache_config.num_gpu_blocks = self.kvc.num_blocks
         self._ctx = set_current_vllm_config(self.config)
         self._ctx.__enter__()
-        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{_free_port()}", 0, backend="gloo")
-        initialize_model_parallel(1, 1)
+        dist = f"tcp://127.0.0.1:{int(msg.get('dist_port') or _free_port())}"
+        init_distributed_environment(tp_size, tp_rank, dist, tp_rank, backend="gloo")
+        initialize_model_parallel(tp_size, 1)
         self.scheduler = Scheduler(
             vllm_config=self.config,
             kv_cache_config=self.kvc,
@@ -238,6 +254,21 @@ class Node:
             for layer in self.layers
         }
 
+    def head_digests(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Per layer, per block of ``block_ids``, the sha256 of each KV head's K|V of every token."""
+        return {
+            "digests": {
+                layer: [
+                    [
+                        hashlib.sha256(head.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                        for head in self.kv_caches[layer][b]
+                    ]
+                    for b in msg["block_ids"]
+                ]
+                for layer in self.layers
+            }
+        }
+
     def prefill(self, msg: dict[str, Any]) -> dict[str, Any]:
         req_id = msg["req_id"]
         self.seeds[req_id] = int(msg.get("seed", 1))
@@ -325,6 +356,7 @@ def main() -> None:
                 "decode": call("decode"),
                 "step_until_sent": call("step_until_sent"),
                 "digests": digests,
+                "head_digests": call("head_digests"),
             },
             stdout=REPLIES,
         )

@@ -58,8 +58,6 @@ class Quiet:
         if self.enabled:
             _state.depth = _depth() + 1
 
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if self.enabled:
             _state.depth = _depth() - 1

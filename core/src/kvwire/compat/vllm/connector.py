@@ -48,6 +48,12 @@ def _tp() -> tuple[int, int]:
         return 0, 1
 
 
+def _total_kv_heads(vllm_config: Any) -> int | None:
+    """The model's KV heads over all TP ranks; None without a model config (then equal TP sizes only)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    return None if model_config is None else int(model_config.get_total_num_kv_heads())
+
+
 class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     """vLLM's KV connector over a kvwire backend: the prefill pushes, the decode registers and receives."""
 
@@ -58,14 +64,22 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         producer, consumer = bool(transfer.is_kv_producer), bool(transfer.is_kv_consumer)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
+        heads = _total_kv_heads(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
             self.scheduler_side = SchedulerSide(
-                self.settings, str(transfer.engine_id), tp_size, producer=producer, consumer=consumer
+                self.settings,
+                str(transfer.engine_id),
+                tp_size,
+                producer=producer,
+                consumer=consumer,
+                total_kv_heads=heads,
             )
         else:
             rank, size = _tp()
-            self.worker_side = WorkerSide(self.settings, rank, size, producer=producer, consumer=consumer)
+            self.worker_side = WorkerSide(
+                self.settings, rank, size, producer=producer, consumer=consumer, total_kv_heads=heads
+            )
         self._started: KVConnectorMetadata | None = None
 
     # -- scheduler side ------------------------------------------------------

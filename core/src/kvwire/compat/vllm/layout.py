@@ -10,6 +10,13 @@ as one page: the layout has one ``"kv"`` buffer per layer (layer ids are the
 positions in vLLM's layer order), the page the block, so a prefill and a decode
 whose layers agree exchange whole blocks, whatever the heads hold.
 
+Given the rank's TP size and rank and the model's total KV heads, the layout
+also records them and how a block holds heads (:class:`kvwire.HeadLayout`,
+``head_major``: head ``h``'s K|V of every token is one contiguous run), so a
+prefill and a decode of different TP sizes exchange exactly the heads they
+share, one run per block (:mod:`kvwire.planning.head_slicing`). Without the
+total KV heads nothing of TP is recorded: same TP sizes only, whole blocks.
+
 Refused, with :class:`kvwire.LayoutError` naming the layer and its shape: a
 tensor that is not 4-dimensional, whose first dimension is not the block count,
 whose block is not contiguous, or whose blocks are not evenly spaced one block
@@ -28,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvwire.layout.buffers import KVBuffer, LayoutError, MemoryKind
+from kvwire.layout.buffers import HeadLayout, KVBuffer, LayoutError, MemoryKind
 from kvwire.layout.kv_layout import KVLayout
 
 __all__ = ["KVTensor", "VllmLayout", "layout_from_kv_caches"]
@@ -123,11 +130,16 @@ def _layer_buffer(name: str, index: int, tensor: KVTensor) -> tuple[KVBuffer, in
     return KVBuffer(base, block_elems * elem, num_blocks, index, "kv", _memory_kind(tensor)), num_blocks
 
 
-def layout_from_kv_caches(kv_caches: Mapping[str, KVTensor]) -> VllmLayout:
+def layout_from_kv_caches(
+    kv_caches: Mapping[str, KVTensor], tp_size: int = 1, tp_rank: int = 0, total_kv_heads: int | None = None
+) -> VllmLayout:
     """The :class:`VllmLayout` of what vLLM passes to ``register_kv_caches`` (see the module docstring).
 
     Every layer must have the same block count and block size (one KV-cache group of full attention);
-    :class:`kvwire.LayoutError` naming the first layer that differs otherwise.
+    :class:`kvwire.LayoutError` naming the first layer that differs otherwise. With ``total_kv_heads``
+    (the model's, vLLM's ``model_config.get_total_num_kv_heads()``) the layout records TP rank
+    ``tp_rank`` of ``tp_size`` and the heads of a block, for transfers across TP sizes; a cache whose
+    heads do not fit them is refused naming the layer and its shape.
     """
     if not isinstance(kv_caches, Mapping) or not kv_caches:
         raise LayoutError(f"kv_caches must be a non-empty dict of layer name -> tensor, got {type(kv_caches).__name__}")
@@ -146,4 +158,16 @@ def layout_from_kv_caches(kv_caches: Mapping[str, KVTensor]) -> VllmLayout:
         names.append(str(name))
         blocks = count
     assert blocks is not None
-    return VllmLayout(KVLayout(tuple(buffers)), tuple(names), blocks, buffers[0].page_bytes)
+    if total_kv_heads is None:
+        return VllmLayout(KVLayout(tuple(buffers)), tuple(names), blocks, buffers[0].page_bytes)
+    first = next(iter(kv_caches.values()))
+    shape = [int(d) for d in first.shape]
+    try:
+        heads = HeadLayout(shape[1], total_kv_heads, shape[3], int(first.element_size()), shape[2], head_major=True)
+        layout = KVLayout(tuple(buffers), tp_size, tp_rank, heads)
+    except LayoutError as exc:
+        raise LayoutError(
+            f"layer {names[0]!r} (shape {shape}): its blocks cannot be sliced by KV head for TP rank {tp_rank} of "
+            f"{tp_size} with the model's {total_kv_heads} KV heads: {exc}"
+        ) from None
+    return VllmLayout(layout, tuple(names), blocks, buffers[0].page_bytes)

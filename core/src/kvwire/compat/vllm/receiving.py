@@ -10,6 +10,16 @@ its TP rank. The request is done when the prefill's arrival notification comes
 reached, or nothing arrives within ``load_timeout_s``: then it is reported in
 ``finished_recving`` and its blocks by ``get_block_ids_with_load_errors`` in
 the same step, as vLLM asks.
+
+A prefill of another TP size ``P`` (this decode rank ``d`` of ``D``): the
+worker registers with every prefill rank that sends to it
+(:func:`kvwire.planning.head_slicing.senders`: rank ``d * P // D``, or the
+``P // D`` ranks from there), at ``remote_port + rank``, and each sender's
+notification names its rank. The request is done when every sender's arrived;
+it fails when any sender refuses, cannot be reached, or has not arrived within
+``load_timeout_s``. A failure is reported once every other sender is settled
+(refused, unreachable or arrived) or the deadline passed, so that no accepted
+write can still land in blocks vLLM frees.
 """
 
 from __future__ import annotations
@@ -19,13 +29,14 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from kvwire.compat.vllm.channel import RegistrationClient
+from kvwire.compat.vllm.channel import RegistrationClient, ReplyCallback
 from kvwire.compat.vllm.metadata import ToReceive
 from kvwire.compat.vllm.rank import WorkerRank
-from kvwire.compat.vllm.registration import Registration, request_of_notification
+from kvwire.compat.vllm.registration import Registration, parse_notification
 from kvwire.errors import InvalidTransferError
 from kvwire.layout.buffers import LayoutError
 from kvwire.layout.peer import PeerDescription
+from kvwire.planning.head_slicing import senders
 from kvwire.submit.watcher import Arrival, NotificationWatcher
 
 __all__ = ["Receiver"]
@@ -40,6 +51,10 @@ _KEPT_FAILURES = 100
 class _Pending:
     block_ids: tuple[int, ...]
     deadline: float
+    senders: frozenset[int | None]  # prefill ranks that write here (None: the one sender of equal TP sizes)
+    arrived: set[int | None]
+    settled: set[int | None]  # arrived, refused or unreachable
+    failure: str | None = None  # the first sender's failure
 
 
 class Receiver:
@@ -53,18 +68,25 @@ class Receiver:
         self._peer = PeerDescription(connection.endpoint(), self._local.layout)
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
-        self._arrived: set[str] = set()
-        self._failed: dict[str, str] = {}
         self._errors: set[int] = set()
         self.failures: dict[str, str] = {}  # request id -> why it failed (the latest _KEPT_FAILURES)
         self._watcher = NotificationWatcher(connection, self._on_arrival, max_kept=0, name="kvwire-vllm-arrivals")
 
+    def _senders(self, tp_size: int) -> tuple[int | None, ...]:
+        """The prefill ranks that write this rank's blocks (None: rank to rank, equal TP sizes)."""
+        if tp_size == self._tp_size:
+            return (None,)
+        return tuple(senders(tp_size, self._tp_size, self._tp_rank))
+
     def start(self, item: ToReceive) -> None:
-        """Register ``item``'s blocks with its prefill (a refusal here fails it at the next :meth:`finished`)."""
+        """Register ``item``'s blocks with its prefill ranks (a refusal here fails it at the next :meth:`finished`)."""
         remote = item.remote
         valid = tuple(b for b in item.block_ids if isinstance(b, int) and 0 < b < self._local.num_blocks)
+        ranks = self._senders(remote.tp_size)
         with self._lock:
-            self._pending[item.request_id] = _Pending(valid, self._clock() + self._timeout_s)
+            self._pending[item.request_id] = _Pending(
+                valid, self._clock() + self._timeout_s, frozenset(ranks), set(), set()
+            )
         try:
             local = self._local.check_block_ids(item.block_ids, "decode block_ids")
             if not local or len(local) > len(remote.block_ids):
@@ -72,8 +94,14 @@ class Receiver:
                     f"request {item.request_id!r}: {len(local)} decode blocks for {len(remote.block_ids)} prefill "
                     "blocks; the decode can take at most the prefill's blocks"
                 )
+            if remote.tp_size != self._tp_size and self._local.layout.heads is None:
+                raise InvalidTransferError(
+                    f"request {item.request_id!r}: the prefill runs TP size {remote.tp_size}, this decode "
+                    f"{self._tp_size}, and this decode's KV cache is not described by KV head (the connector "
+                    "was not given the model's total KV heads)"
+                )
         except (InvalidTransferError, LayoutError) as exc:
-            self._fail(item.request_id, f"refused before anything moved: {exc}")
+            self._fail(item.request_id, None, f"refused before anything moved: {exc}", every=True)
             return
         registration = Registration(
             prefill_request_id=remote.request_id,
@@ -86,34 +114,51 @@ class Receiver:
             valid_for_s=max(0.001, self._deadline_of(item.request_id) - self._clock()),
             peer=self._peer,
         )
-        self._client.send(
-            remote.host,
-            remote.port + self._tp_rank,
-            registration.to_dict(),
-            lambda reply, reason: self._answered(item.request_id, reply, reason),
-        )
+        message = registration.to_dict()
+        for rank in ranks:
+            self._client.send(
+                remote.host,
+                remote.port + (self._tp_rank if rank is None else rank),
+                message,
+                self._on_reply(item.request_id, rank, remote.tp_size),
+            )
+
+    def _on_reply(self, request_id: str, rank: int | None, tp_size: int) -> ReplyCallback:
+        """The callback for sender ``rank``'s answer to ``request_id``'s registration."""
+        return lambda reply, reason: self._answered(request_id, rank, tp_size, reply, reason)
 
     def _deadline_of(self, request_id: str) -> float:
         with self._lock:
             return self._pending[request_id].deadline
 
-    def _answered(self, request_id: str, reply: dict[str, Any] | None, reason: str | None) -> None:
+    def _answered(
+        self, request_id: str, rank: int | None, tp_size: int, reply: dict[str, Any] | None, reason: str | None
+    ) -> None:
         if reply is None:
-            self._fail(request_id, f"the prefill did not take the registration: {reason}")
+            who = "the prefill" if rank is None else f"prefill rank {rank} (of {tp_size})"
+            self._fail(request_id, rank, f"{who} did not take the registration: {reason}")
 
-    def _fail(self, request_id: str, reason: str) -> None:
+    def _fail(self, request_id: str, rank: int | None, reason: str, *, every: bool = False) -> None:
+        """Sender ``rank`` failed the request (``every``: all of them, nothing was sent)."""
         log.error("kvwire: request %s: %s", request_id, reason)
         with self._lock:
-            if request_id in self._pending:
-                self._failed[request_id] = reason
+            pending = self._pending.get(request_id)
+            if pending is None:
+                return
+            if pending.failure is None:
+                pending.failure = reason
+            pending.settled.update(pending.senders if every else (rank,))
 
     def _on_arrival(self, arrival: Arrival) -> None:
-        request_id = request_of_notification(arrival.notification.message)
-        if request_id is None:
+        parsed = parse_notification(arrival.notification.message)
+        if parsed is None:
             return
+        request_id, rank = parsed
         with self._lock:
-            if request_id in self._pending:
-                self._arrived.add(request_id)
+            pending = self._pending.get(request_id)
+            if pending is not None and rank in pending.senders:
+                pending.arrived.add(rank)
+                pending.settled.add(rank)
 
     def finished(self) -> set[str]:
         """Requests done receiving (arrived, or failed: their blocks then go to :meth:`load_errors`)."""
@@ -121,13 +166,10 @@ class Receiver:
         done: set[str] = set()
         with self._lock:
             for request_id, pending in list(self._pending.items()):
-                if request_id in self._arrived and request_id not in self._failed:
-                    self._arrived.discard(request_id)
-                elif request_id in self._failed or pending.deadline <= now:
-                    reason = self._failed.pop(request_id, None) or (
-                        f"its blocks did not arrive within load_timeout_s = {self._timeout_s:g} s"
-                    )
-                    self._arrived.discard(request_id)
+                if pending.failure is None and pending.arrived == pending.senders:
+                    pass
+                elif pending.settled == pending.senders or pending.deadline <= now:
+                    reason = pending.failure or self._timeout_reason(pending)
                     self.failures[request_id] = reason
                     while len(self.failures) > _KEPT_FAILURES:
                         del self.failures[next(iter(self.failures))]
@@ -137,6 +179,11 @@ class Receiver:
                 del self._pending[request_id]
                 done.add(request_id)
         return done
+
+    def _timeout_reason(self, pending: _Pending) -> str:
+        reason = f"its blocks did not arrive within load_timeout_s = {self._timeout_s:g} s"
+        missing = sorted(r for r in pending.senders - pending.arrived if r is not None)
+        return f"{reason} (from prefill ranks {missing})" if missing else reason
 
     def load_errors(self) -> set[int]:
         """Blocks of the requests that failed since the last call (reported with them by :meth:`finished`)."""

@@ -23,7 +23,14 @@ from typing import Any, Final
 from kvwire.errors import InvalidTransferError
 from kvwire.layout.peer import PeerDescription
 
-__all__ = ["REGISTRATION_FORMAT", "REGISTRATION_VERSION", "Registration", "notification_for", "request_of_notification"]
+__all__ = [
+    "REGISTRATION_FORMAT",
+    "REGISTRATION_VERSION",
+    "Registration",
+    "notification_for",
+    "parse_notification",
+    "request_of_notification",
+]
 
 REGISTRATION_FORMAT: Final = "kvwire.vllm.registration"
 REGISTRATION_VERSION: Final = 1
@@ -44,19 +51,46 @@ _FIELDS: Final = frozenset(
     }
 )
 _NOTE_PREFIX: Final = b"kvwire.vllm:"
+_RANKED_PREFIX: Final = b"kvwire.vllm.rank:"  # across TP sizes: b"kvwire.vllm.rank:<prefill rank>:<request id>"
 _MAX_ID_CHARS: Final = 1024
 
 
-def notification_for(decode_request_id: str) -> bytes:
-    """The arrival notification that tells the decode ``decode_request_id``'s blocks are written."""
-    return _NOTE_PREFIX + decode_request_id.encode()
+def notification_for(decode_request_id: str, prefill_rank: int | None = None) -> bytes:
+    """The arrival notification that tells the decode ``decode_request_id``'s blocks are written.
+
+    ``prefill_rank`` (across TP sizes, where several prefill ranks write one decode rank's blocks) makes
+    each sender's notification distinct; None (equal TP sizes) keeps the one-sender form.
+    """
+    if prefill_rank is None:
+        return _NOTE_PREFIX + decode_request_id.encode()
+    if isinstance(prefill_rank, bool) or not isinstance(prefill_rank, int) or prefill_rank < 0:
+        raise ValueError(f"prefill_rank must be an int >= 0 or None, got {prefill_rank!r:.40}")
+    return _RANKED_PREFIX + str(prefill_rank).encode() + b":" + decode_request_id.encode()
+
+
+def parse_notification(message: bytes) -> tuple[str, int | None] | None:
+    """(decode request id, prefill rank or None for the one-sender form), or None: not this connector's.
+
+    Parsed strictly: a ranked notification whose rank is not a plain decimal int (``0``, ``12``; no sign, no
+    leading zero) or whose request id is empty or not UTF-8 is not this connector's.
+    """
+    if message.startswith(_NOTE_PREFIX):
+        return message[len(_NOTE_PREFIX) :].decode(errors="replace"), None
+    if not message.startswith(_RANKED_PREFIX):
+        return None
+    rank, _, request = message[len(_RANKED_PREFIX) :].partition(b":")
+    if not request or not rank.isdigit() or len(rank) > 9 or (len(rank) > 1 and rank.startswith(b"0")):
+        return None
+    try:
+        return request.decode(), int(rank)
+    except UnicodeDecodeError:
+        return None
 
 
 def request_of_notification(message: bytes) -> str | None:
-    """The decode request id a notification names, or None for a message not from this connector."""
-    if not message.startswith(_NOTE_PREFIX):
-        return None
-    return message[len(_NOTE_PREFIX) :].decode(errors="replace")
+    """The decode request id a one-sender notification names, or None for a message not of that form."""
+    parsed = parse_notification(message)
+    return parsed[0] if parsed is not None and parsed[1] is None else None
 
 
 def _ids(data: Mapping[str, Any], name: str) -> tuple[int, ...]:

@@ -41,12 +41,20 @@ class SchedulerSide:
     """The scheduler-side hooks (see the module docstring); one per engine."""
 
     def __init__(
-        self, settings: ConnectorSettings, engine_id: str, tp_size: int, *, producer: bool, consumer: bool
+        self,
+        settings: ConnectorSettings,
+        engine_id: str,
+        tp_size: int,
+        *,
+        producer: bool,
+        consumer: bool,
+        total_kv_heads: int | None = None,
     ) -> None:
         self.settings = settings
         self.producer, self.consumer = producer, consumer
         self.engine_id = engine_id
         self.tp_size = tp_size
+        self.total_kv_heads = total_kv_heads  # the model's; None: equal TP sizes only
         self._to_send: list[ReadyToSend] = []
         self._to_receive: list[ToReceive] = []
         self._held: set[str] = set()  # prefill requests whose blocks wait for finished_sending
@@ -67,17 +75,34 @@ class SchedulerSide:
             params["do_remote_prefill"] = False
             return 0, False
         if remote.tp_size != self.tp_size:
-            log.error(
-                "kvwire: request %s: the prefill runs tensor_parallel_size=%d, this decode %d; kvwire's vLLM "
-                "connector moves whole blocks between equal TP sizes only; computing its prompt here",
-                request.request_id,
-                remote.tp_size,
-                self.tp_size,
-            )
-            params["do_remote_prefill"] = False
-            return 0, False
+            why = self._across_tp_refusal(remote.tp_size)
+            if why is not None:
+                log.error(
+                    "kvwire: request %s: the prefill runs tensor_parallel_size=%d, this decode %d; %s; computing "
+                    "its prompt here",
+                    request.request_id,
+                    remote.tp_size,
+                    self.tp_size,
+                    why,
+                )
+                params["do_remote_prefill"] = False
+                return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _across_tp_refusal(self, prefill_tp: int) -> str | None:
+        """Why blocks cannot come from a prefill of TP size ``prefill_tp`` (not this one's), or None: they can."""
+        total, big, small = self.total_kv_heads, max(prefill_tp, self.tp_size), min(prefill_tp, self.tp_size)
+        if total is None:
+            return (
+                "kvwire's vLLM connector moves blocks across TP sizes only when it knows the model's total KV heads "
+                "(vllm_config.model_config)"
+            )
+        if big % small:
+            return "across TP sizes the larger must be a multiple of the smaller"
+        if (total >= prefill_tp and total % prefill_tp) or (total < prefill_tp and prefill_tp % total):
+            return f"the model's {total} KV heads do not split over the prefill's {prefill_tp} ranks"
+        return None
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Record a decode request's freshly allocated blocks against the prefill's (once per request)."""

@@ -13,6 +13,15 @@ Checked before anything moves, each refusal answered to the decode as
 ``{"error": ...}``: the layer names, the TP size and rank, every block id against
 the two layouts, and that the prefill block ids are the ones the request holds
 (a decode cannot read another request's blocks).
+
+Equal TP sizes: rank ``r`` writes decode rank ``r``'s whole blocks. Different
+TP sizes (both layouts record their heads, see
+:func:`~kvwire.compat.vllm.layout.layout_from_kv_caches`): this rank accepts a
+decode rank routed to it (:func:`kvwire.planning.head_slicing.senders`) and
+writes the heads the two share, one run per block (nothing, for a replica of a
+head another sender covers); its notification names this rank
+(:func:`~kvwire.compat.vllm.registration.notification_for`), since the decode
+waits for every one of its senders.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import logging
 import threading
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,6 +39,7 @@ from kvwire.compat.vllm.metadata import ReadyToSend
 from kvwire.compat.vllm.rank import WorkerRank
 from kvwire.compat.vllm.registration import Registration, notification_for
 from kvwire.errors import InvalidTransferError, KvwireError
+from kvwire.planning.head_slicing import senders, slicing_of
 
 __all__ = ["Sender"]
 
@@ -46,6 +56,10 @@ class _Ready:
     block_ids: tuple[int, ...]
     deadline: float
     started: bool = False
+    in_flight: int = 0  # writes started and not ended
+    decode_tp: int | None = None  # across TP sizes: the decode's TP size (of the first registration)
+    sent_to: set[int] = field(default_factory=set)  # across TP sizes: decode ranks a write was started for
+    expected: int | None = None  # across TP sizes: how many decode ranks this rank writes
 
 
 class Sender:
@@ -57,7 +71,8 @@ class Sender:
         self._lease_s = lease_s
         self._lock = threading.RLock()  # a future that is already done runs its callback at once
         self._ready: dict[str, _Ready] = {}
-        self._waiting: dict[str, tuple[Registration, float]] = {}  # with when the decode stops waiting
+        # request -> decode rank (None: equal TP sizes) -> (registration, when the decode stops waiting)
+        self._waiting: dict[str, dict[int | None, tuple[Registration, float]]] = {}
         self._done: set[str] = set()
         self._peers: dict[str, Any] = {}  # endpoint -> the layout add_peer was given
         self.failures: deque[str] = deque(maxlen=_KEPT_FAILURES)  # the latest refusals and failed writes
@@ -66,8 +81,7 @@ class Sender:
         """The scheduler finished ``item.request_id``: its blocks may go to the decode that registers."""
         with self._lock:
             self._ready[item.request_id] = _Ready(tuple(item.block_ids), self._clock() + self._lease_s)
-            waiting = self._waiting.pop(item.request_id, None)
-            if waiting is not None:
+            for waiting in self._waiting.pop(item.request_id, {}).values():
                 try:
                     self._start(*waiting)
                 except KvwireError as exc:  # this runs in vLLM's step: log it, never raise it there
@@ -84,7 +98,9 @@ class Sender:
                 if registration.prefill_request_id in self._ready:
                     self._start(registration, decode_gives_up)
                     return {"accepted": registration.prefill_request_id}
-                self._waiting[registration.prefill_request_id] = (registration, decode_gives_up)
+                rank = None if registration.tp_size == self._tp_size else registration.tp_rank
+                queued = self._waiting.setdefault(registration.prefill_request_id, {})
+                queued[rank] = (registration, decode_gives_up)
                 return {"queued": registration.prefill_request_id}
         except KvwireError as exc:  # LayoutError and InvalidTransferError included: the decode is told why
             self.failures.append(str(exc))
@@ -98,12 +114,15 @@ class Sender:
                 f"({len(reg.layers)}) are not this prefill's {list(self._local.layer_names)[:4]}... "
                 f"({len(self._local.layer_names)}): run the same model on both sides"
             )
-        if (reg.tp_size, reg.tp_rank) != (self._tp_size, self._tp_rank):
-            raise InvalidTransferError(
-                f"registration for {reg.prefill_request_id!r}: the decode is TP rank {reg.tp_rank} of {reg.tp_size}, "
-                f"this prefill worker rank {self._tp_rank} of {self._tp_size}: kvwire's vLLM connector moves whole "
-                "blocks between equal TP sizes, rank to rank"
-            )
+        if reg.tp_size == self._tp_size:
+            if reg.tp_rank != self._tp_rank:
+                raise InvalidTransferError(
+                    f"registration for {reg.prefill_request_id!r}: the decode is TP rank {reg.tp_rank} of "
+                    f"{reg.tp_size}, this prefill worker rank {self._tp_rank} of {self._tp_size}: kvwire's vLLM "
+                    "connector moves whole blocks between equal TP sizes, rank to rank"
+                )
+        else:
+            self._check_across_tp(reg)
         self._local.check_block_ids(reg.prefill_block_ids, "prefill_block_ids")
         peer_pages = reg.peer.layout.buffers[0].num_pages
         for i, b in enumerate(reg.decode_block_ids):
@@ -113,6 +132,38 @@ class Sender:
                     f"1..{peer_pages - 1} (block 0 is vLLM's null block); nothing was sent"
                 )
 
+    def _check_across_tp(self, reg: Registration) -> None:
+        """A decode of another TP size: both layouts record heads, and this rank is one of its senders."""
+        what = (
+            f"registration for {reg.prefill_request_id!r}: the decode is TP rank {reg.tp_rank} of {reg.tp_size}, "
+            f"this prefill worker rank {self._tp_rank} of {self._tp_size}"
+        )
+        local, peer = self._local.layout, reg.peer.layout
+        if local.heads is None or peer.heads is None:
+            side = "this prefill's" if local.heads is None else "the decode's"
+            raise InvalidTransferError(
+                f"{what}: different TP sizes need both KV caches described by KV head, and {side} is not (its "
+                "connector was not given the model's total KV heads: vllm_config.model_config)"
+            )
+        if (peer.attn_tp_size, peer.attn_tp_rank) != (reg.tp_size, reg.tp_rank):
+            raise InvalidTransferError(
+                f"{what}, but the decode's layout records TP rank {peer.attn_tp_rank} of {peer.attn_tp_size}; "
+                "nothing was sent"
+            )
+        big, small = max(reg.tp_size, self._tp_size), min(reg.tp_size, self._tp_size)
+        if big % small:
+            raise InvalidTransferError(
+                f"{what}: the larger TP size must be a multiple of the smaller; nothing was sent"
+            )
+        routed = senders(self._tp_size, reg.tp_size, reg.tp_rank)
+        if self._tp_rank not in routed:
+            who = f"rank {routed[0]}" if len(routed) == 1 else f"ranks {routed[0]}..{routed[-1]}"
+            raise InvalidTransferError(
+                f"{what}: decode rank {reg.tp_rank} receives from prefill {who}, not from this one; register "
+                "with the prefill ranks routed to it (nothing was sent)"
+            )
+        slicing_of(local, peer)  # the heads' geometry (head size, dtype, block size, KV heads) must agree
+
     def _start(self, reg: Registration, decode_gives_up: float) -> None:
         """Submit the write (the lock is held); InvalidTransferError before anything moves.
 
@@ -121,7 +172,17 @@ class Sender:
         """
         request_id = reg.prefill_request_id
         ready = self._ready[request_id]
-        if ready.started:
+        across = reg.tp_size != self._tp_size
+        if across and ready.decode_tp not in (None, reg.tp_size):
+            raise InvalidTransferError(
+                f"request {request_id!r}: its blocks go to a decode of TP size {ready.decode_tp}, and this "
+                f"registration is from one of TP size {reg.tp_size}; nothing was sent"
+            )
+        if across and reg.tp_rank in ready.sent_to:
+            raise InvalidTransferError(
+                f"request {request_id!r}: its blocks were already sent to decode rank {reg.tp_rank}"
+            )
+        if not across and ready.started:
             raise InvalidTransferError(f"request {request_id!r}: its blocks were already sent to a decode")
         latest_end = self._clock() + self._connection.config.timeout_s + _MARGIN_S
         if latest_end > decode_gives_up:
@@ -145,9 +206,16 @@ class Sender:
             np.asarray(reg.prefill_block_ids, dtype=np.int32),
             [b.base for b in layout.buffers],
             np.asarray(reg.decode_block_ids, dtype=np.int32),
-            notification=notification_for(reg.decode_request_id),
+            notification=notification_for(
+                reg.decode_request_id, None if reg.tp_size == self._tp_size else self._tp_rank
+            ),
         )
         ready.started = True
+        ready.in_flight += 1
+        if across:
+            ready.decode_tp = reg.tp_size
+            ready.sent_to.add(reg.tp_rank)
+            ready.expected = sum(self._tp_rank in senders(self._tp_size, reg.tp_size, d) for d in range(reg.tp_size))
         future.add_done_callback(lambda f: self._written(request_id, f))
 
     def _written(self, request_id: str, future: Future[int]) -> None:
@@ -157,20 +225,35 @@ class Sender:
             self.failures.append(reason)
             log.error("kvwire: %s", reason)
         with self._lock:
-            self._ready.pop(request_id, None)
-            self._done.add(request_id)
+            ready = self._ready.get(request_id)
+            if ready is None:
+                return
+            ready.in_flight -= 1
+            if ready.in_flight <= 0 and (ready.expected is None or len(ready.sent_to) >= ready.expected):
+                del self._ready[request_id]  # written to every decode rank it goes to: vLLM may free it
+                self._done.add(request_id)
 
     def finished(self) -> set[str]:
         """Requests whose blocks vLLM may free: written (or failed), or unclaimed past the lease."""
         now = self._clock()
         with self._lock:
             for request_id, ready in list(self._ready.items()):
-                if not ready.started and ready.deadline <= now:
-                    log.warning("kvwire: request %s: no decode asked for its blocks within the lease", request_id)
+                if ready.in_flight <= 0 and ready.deadline <= now:
+                    if ready.sent_to:
+                        log.warning(
+                            "kvwire: request %s: only decode ranks %s asked for its blocks within the lease",
+                            request_id,
+                            sorted(ready.sent_to),
+                        )
+                    else:
+                        log.warning("kvwire: request %s: no decode asked for its blocks within the lease", request_id)
                     del self._ready[request_id]
                     self._done.add(request_id)
-            for request_id, (_, decode_gives_up) in list(self._waiting.items()):
-                if decode_gives_up <= now:
+            for request_id, queued in list(self._waiting.items()):
+                for rank, (_, decode_gives_up) in list(queued.items()):
+                    if decode_gives_up <= now:
+                        del queued[rank]
+                if not queued:
                     del self._waiting[request_id]
             done, self._done = self._done, set()
         return done

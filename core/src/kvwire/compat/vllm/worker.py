@@ -32,13 +32,25 @@ log = logging.getLogger("kvwire.compat.vllm")
 
 
 class WorkerSide:
-    """One vLLM worker's transfers (TP rank ``tp_rank`` of ``tp_size``)."""
+    """One vLLM worker's transfers (TP rank ``tp_rank`` of ``tp_size``).
+
+    ``total_kv_heads`` (the model's; None where unknown) lets it exchange blocks with a prefill or decode
+    of another TP size, head by head.
+    """
 
     def __init__(
-        self, settings: ConnectorSettings, tp_rank: int, tp_size: int, *, producer: bool, consumer: bool
+        self,
+        settings: ConnectorSettings,
+        tp_rank: int,
+        tp_size: int,
+        *,
+        producer: bool,
+        consumer: bool,
+        total_kv_heads: int | None = None,
     ) -> None:
         self.settings = settings
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.total_kv_heads = total_kv_heads
         self.producer, self.consumer = producer, consumer
         self.local: VllmLayout | None = None
         self.connection: Connection | None = None
@@ -51,7 +63,8 @@ class WorkerSide:
         """Map and register the KV cache, connect the backend, and open the side channel or the watcher."""
         if self.connection is not None:
             raise ConfigError("register_kv_caches was called twice; kvwire's connector registers its KV cache once")
-        local = layout_from_kv_caches(kv_caches)  # LayoutError naming the layer before anything is opened
+        # LayoutError naming the layer before anything is opened
+        local = layout_from_kv_caches(kv_caches, self.tp_size, self.tp_rank, self.total_kv_heads)
         settings = self.settings
         connection = connect(settings.backend, settings.backend_config)
         try:
