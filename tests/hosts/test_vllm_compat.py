@@ -28,6 +28,7 @@ from kvwire.compat.vllm.registration import (
 )
 from kvwire.compat.vllm.scheduler import SchedulerSide
 from kvwire.compat.vllm.sending import Sender
+from kvwire.compat.vllm.settings import EngineSide
 from kvwire.compat.vllm.worker import WorkerSide
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -175,13 +176,13 @@ def _until(fn: Any, timeout_s: float = 10.0) -> Any:
 
 def test_both_sides_move_blocks_in_one_process_through_the_local_backend() -> None:
     settings = ConnectorSettings.from_extra_config({"backend": "local", "side_channel_port": _port(), "lease_s": 60})
-    p_sched = SchedulerSide(settings, "engine-p", 1, producer=True, consumer=False)
-    d_sched = SchedulerSide(settings, "engine-d", 1, producer=False, consumer=True)
+    p_sched = SchedulerSide(EngineSide(settings, 1, producer=True, consumer=False), "engine-p")
+    d_sched = SchedulerSide(EngineSide(settings, 1, producer=False, consumer=True), "engine-d")
     p_caches, d_caches = vllm_kv_caches(), vllm_kv_caches()
     for t in p_caches.values():
         t.view(torch.int16).copy_(torch.randint(-30000, 30000, t.shape, dtype=torch.int16))
-    p_work = WorkerSide(settings, 0, 1, producer=True, consumer=False)
-    d_work = WorkerSide(settings, 0, 1, producer=False, consumer=True)
+    p_work = WorkerSide(EngineSide(settings, 1, producer=True, consumer=False), 0)
+    d_work = WorkerSide(EngineSide(settings, 1, producer=False, consumer=True), 0)
     p_work.register_kv_caches(p_caches)
     d_work.register_kv_caches(d_caches)
     try:
@@ -217,14 +218,14 @@ def test_a_refused_registration_reports_the_decodes_blocks_as_load_errors_and_no
     p_caches, d_caches = vllm_kv_caches(), vllm_kv_caches()
     for t in p_caches.values():
         t.fill_(1.0)
-    p_work = WorkerSide(settings, 0, 1, producer=True, consumer=False)
-    d_work = WorkerSide(settings, 0, 1, producer=False, consumer=True)
+    p_work = WorkerSide(EngineSide(settings, 1, producer=True, consumer=False), 0)
+    d_work = WorkerSide(EngineSide(settings, 1, producer=False, consumer=True), 0)
     p_work.register_kv_caches(p_caches)
     d_work.register_kv_caches(d_caches)
     try:
         p_work.start(StepMetadata(to_send=(ReadyToSend("p0", (1, 2)),)))
         params = prefill_params("p0", "e", "127.0.0.1", settings.side_channel_port, [1, 3], 1, 40)  # 3: not p0's
-        d_sched = SchedulerSide(settings, "engine-d", 1, producer=False, consumer=True)
+        d_sched = SchedulerSide(EngineSide(settings, 1, producer=False, consumer=True), "engine-d")
         decode = _request("d0", 40, params)
         assert d_sched.get_num_new_matched_tokens(decode, 0) == (40, True)
         d_sched.update_state_after_alloc(decode, _blocks([5, 6]), 40)
@@ -258,13 +259,13 @@ def test_a_decode_whose_blocks_never_come_fails_them_at_load_timeout() -> None:
     settings = ConnectorSettings.from_extra_config(
         {"backend": "local", "side_channel_port": _port(), "load_timeout_s": 1.5, "transfer_timeout_s": 0.2}
     )
-    d_work = WorkerSide(settings, 0, 1, producer=False, consumer=True)
+    d_work = WorkerSide(EngineSide(settings, 1, producer=False, consumer=True), 0)
     d_work.register_kv_caches(vllm_kv_caches())
-    p_work = WorkerSide(settings, 0, 1, producer=True, consumer=False)
+    p_work = WorkerSide(EngineSide(settings, 1, producer=True, consumer=False), 0)
     p_work.register_kv_caches(vllm_kv_caches())  # listening, but its scheduler never says p0 finished
     try:
         params = prefill_params("p0", "e", "127.0.0.1", settings.side_channel_port, [1, 2], 1, 40)
-        d_sched = SchedulerSide(settings, "engine-d", 1, producer=False, consumer=True)
+        d_sched = SchedulerSide(EngineSide(settings, 1, producer=False, consumer=True), "engine-d")
         decode = _request("d0", 40, params)
         d_sched.get_num_new_matched_tokens(decode, 0)
         d_sched.update_state_after_alloc(decode, _blocks([3, 4]), 40)
@@ -400,14 +401,20 @@ def _queued(work: WorkerSide, count: int) -> Any:
 )
 def test_blocks_move_head_by_head_across_tp_sizes(p_tp: int, d_tp: int, total: int) -> None:
     settings = ConnectorSettings.from_extra_config({"backend": "local", "side_channel_port": _port(), "lease_s": 60})
-    p_sched = SchedulerSide(settings, "engine-p", p_tp, producer=True, consumer=False, total_kv_heads=total)
-    d_sched = SchedulerSide(settings, "engine-d", d_tp, producer=False, consumer=True, total_kv_heads=total)
+    p_sched = SchedulerSide(EngineSide(settings, p_tp, producer=True, consumer=False, total_kv_heads=total), "engine-p")
+    d_sched = SchedulerSide(EngineSide(settings, d_tp, producer=False, consumer=True, total_kv_heads=total), "engine-d")
     p_caches = [vllm_kv_caches(heads=max(1, total // p_tp)) for _ in range(p_tp)]
     d_caches = [vllm_kv_caches(heads=max(1, total // d_tp)) for _ in range(d_tp)]
     for caches in p_caches:
         _randomize(caches)  # every rank different, replicas of a head too: the bytes say which rank wrote them
-    p_work = [WorkerSide(settings, r, p_tp, producer=True, consumer=False, total_kv_heads=total) for r in range(p_tp)]
-    d_work = [WorkerSide(settings, r, d_tp, producer=False, consumer=True, total_kv_heads=total) for r in range(d_tp)]
+    p_work = [
+        WorkerSide(EngineSide(settings, p_tp, producer=True, consumer=False, total_kv_heads=total), r)
+        for r in range(p_tp)
+    ]
+    d_work = [
+        WorkerSide(EngineSide(settings, d_tp, producer=False, consumer=True, total_kv_heads=total), r)
+        for r in range(d_tp)
+    ]
     try:
         for work, caches in [*zip(p_work, p_caches, strict=True), *zip(d_work, d_caches, strict=True)]:
             work.register_kv_caches(caches)
@@ -490,16 +497,16 @@ def _two_to_one(
     settings: ConnectorSettings, ranks: tuple[int, ...]
 ) -> tuple[list[WorkerSide], WorkerSide, dict[str, Any]]:
     """Prefill TP 2 (only ``ranks`` running), decode TP 1, 4 KV heads: p0 holds blocks 1, 2; params for d0."""
-    p_work = [WorkerSide(settings, r, 2, producer=True, consumer=False, total_kv_heads=4) for r in ranks]
+    p_work = [WorkerSide(EngineSide(settings, 2, producer=True, consumer=False, total_kv_heads=4), r) for r in ranks]
     for work in p_work:
         work.register_kv_caches(vllm_kv_caches())
-    d_work = WorkerSide(settings, 0, 1, producer=False, consumer=True, total_kv_heads=4)
+    d_work = WorkerSide(EngineSide(settings, 1, producer=False, consumer=True, total_kv_heads=4), 0)
     d_work.register_kv_caches(vllm_kv_caches(heads=4))
     return p_work, d_work, prefill_params("p0", "e", "127.0.0.1", settings.side_channel_port, [1, 2], 2, 40)
 
 
 def _decode(settings: ConnectorSettings, d_work: WorkerSide, params: dict[str, Any]) -> set[str]:
-    d_sched = SchedulerSide(settings, "engine-d", 1, producer=False, consumer=True, total_kv_heads=4)
+    d_sched = SchedulerSide(EngineSide(settings, 1, producer=False, consumer=True, total_kv_heads=4), "engine-d")
     decode = _request("d0", 40, params)
     assert d_sched.get_num_new_matched_tokens(decode, 0) == (40, True)
     d_sched.update_state_after_alloc(decode, _blocks([5, 6]), 40)
@@ -566,7 +573,9 @@ def test_a_decode_takes_a_prefill_of_another_tp_size_only_when_it_can_be_sliced(
         (2, 6, 4, "the model's 6 KV heads do not split over the prefill's 4 ranks"),
     ):  # fmt: skip
         caplog.clear()
-        d_sched = SchedulerSide(settings, "engine-d", tp_size, producer=False, consumer=True, total_kv_heads=total)
+        d_sched = SchedulerSide(
+            EngineSide(settings, tp_size, producer=False, consumer=True, total_kv_heads=total), "engine-d"
+        )
         params = prefill_params("p0", "e", "127.0.0.1", 5710, [1, 2], prefill_tp, 40)
         assert d_sched.get_num_new_matched_tokens(_request("d0", 40, params), 0) == (0, False)
         assert params["do_remote_prefill"] is False
@@ -574,7 +583,7 @@ def test_a_decode_takes_a_prefill_of_another_tp_size_only_when_it_can_be_sliced(
             f"kvwire: request d0: the prefill runs tensor_parallel_size={prefill_tp}, this decode {tp_size}; {why}; "
             "computing its prompt here"
         ]
-    d_sched = SchedulerSide(settings, "engine-d", 2, producer=False, consumer=True, total_kv_heads=2)
+    d_sched = SchedulerSide(EngineSide(settings, 2, producer=False, consumer=True, total_kv_heads=2), "engine-d")
     params = prefill_params("p0", "e", "127.0.0.1", 5710, [1, 2], 4, 40)
     assert d_sched.get_num_new_matched_tokens(_request("d0", 40, params), 0) == (40, True)
 
@@ -620,7 +629,7 @@ def test_a_request_across_tp_sizes_is_done_only_when_every_sender_arrived() -> N
     p_work, d_work, params = _two_to_one(settings, (0, 1))
     try:
         p_work[0].start(StepMetadata(to_send=(ReadyToSend("p0", (1, 2)),)))  # rank 1 is not ready yet
-        d_sched = SchedulerSide(settings, "engine-d", 1, producer=False, consumer=True, total_kv_heads=4)
+        d_sched = SchedulerSide(EngineSide(settings, 1, producer=False, consumer=True, total_kv_heads=4), "engine-d")
         decode = _request("d0", 40, params)
         assert d_sched.get_num_new_matched_tokens(decode, 0) == (40, True)
         d_sched.update_state_after_alloc(decode, _blocks([5, 6]), 40)
@@ -639,7 +648,7 @@ def test_only_the_routed_senders_notifications_complete_a_request_across_tp_size
     settings = ConnectorSettings.from_extra_config({"backend": "local", "side_channel_port": _port()})
     p_work, d_work, params = _two_to_one(settings, (0, 1))  # both listening, neither ready: nothing is written
     try:
-        d_sched = SchedulerSide(settings, "engine-d", 1, producer=False, consumer=True, total_kv_heads=4)
+        d_sched = SchedulerSide(EngineSide(settings, 1, producer=False, consumer=True, total_kv_heads=4), "engine-d")
         decode = _request("d0", 40, params)
         assert d_sched.get_num_new_matched_tokens(decode, 0) == (40, True)
         d_sched.update_state_after_alloc(decode, _blocks([5, 6]), 40)

@@ -13,7 +13,7 @@ import os
 import select
 import time
 from collections import deque
-from typing import Any
+from typing import Any, TypeVar
 
 from kvwire.control.errors import ControlClosedError, ControlError, ControlProtocolError, ControlTimeoutError
 from kvwire.control.jsonlines import (
@@ -30,6 +30,9 @@ __all__ = ["Channel"]
 
 _CHUNK = 1 << 16  # bytes per read from the peer
 _SLICE_S = 0.05  # how often a waiting read checks whether the peer is gone
+
+
+_C = TypeVar("_C", bound="Channel")
 
 
 class Channel:
@@ -88,7 +91,7 @@ class Channel:
     def _error_reply(self, text: str) -> ControlError:
         return ControlError(f"{self.what} failed: {text[:1000]}")
 
-    def __enter__(self) -> Channel:
+    def __enter__(self: _C) -> _C:
         return self
 
     def __exit__(self, *exc: object) -> None:

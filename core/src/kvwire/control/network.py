@@ -86,9 +86,6 @@ class PeerConnection(Channel):
     def label(self) -> str:
         return f"{self.what} at {self.address}"
 
-    def __enter__(self) -> PeerConnection:
-        return self
-
     def close(self) -> None:
         """Ask the peer to quit (briefly), then close the connection; never hangs."""
         if self._closed:

@@ -79,9 +79,6 @@ class ChildProcess(Channel):
     def label(self) -> str:
         return f"{self.what} (pid {self.proc.pid})"
 
-    def __enter__(self) -> ChildProcess:
-        return self
-
     def _gone(self) -> bool:
         return self.proc.poll() is not None
 

@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
 
 from kvwire.compat.vllm.metadata import StepMetadata
 from kvwire.compat.vllm.scheduler import SchedulerSide
-from kvwire.compat.vllm.settings import ConnectorSettings
+from kvwire.compat.vllm.settings import ConnectorSettings, EngineSide
 from kvwire.compat.vllm.worker import WorkerSide
 
 __all__ = ["KvwireConnector", "KvwireConnectorMetadata"]
@@ -67,19 +67,11 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         heads = _total_kv_heads(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
-            self.scheduler_side = SchedulerSide(
-                self.settings,
-                str(transfer.engine_id),
-                tp_size,
-                producer=producer,
-                consumer=consumer,
-                total_kv_heads=heads,
-            )
+            engine = EngineSide(self.settings, tp_size, producer, consumer, heads)
+            self.scheduler_side = SchedulerSide(engine, str(transfer.engine_id))
         else:
             rank, size = _tp()
-            self.worker_side = WorkerSide(
-                self.settings, rank, size, producer=producer, consumer=consumer, total_kv_heads=heads
-            )
+            self.worker_side = WorkerSide(EngineSide(self.settings, size, producer, consumer, heads), rank)
         self._started: KVConnectorMetadata | None = None
 
     # -- scheduler side ------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import Any
 
 from kvwire.compat.vllm.metadata import ReadyToSend, StepMetadata, ToReceive
 from kvwire.compat.vllm.params import parse_remote_prefill, prefill_params
-from kvwire.compat.vllm.settings import ConnectorSettings
+from kvwire.compat.vllm.settings import EngineSide
 from kvwire.errors import InvalidTransferError
 
 __all__ = ["SchedulerSide"]
@@ -40,21 +40,10 @@ _SENDABLE = frozenset({"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"})
 class SchedulerSide:
     """The scheduler-side hooks (see the module docstring); one per engine."""
 
-    def __init__(
-        self,
-        settings: ConnectorSettings,
-        engine_id: str,
-        tp_size: int,
-        *,
-        producer: bool,
-        consumer: bool,
-        total_kv_heads: int | None = None,
-    ) -> None:
-        self.settings = settings
-        self.producer, self.consumer = producer, consumer
+    def __init__(self, engine: EngineSide, engine_id: str) -> None:
+        self.settings, self.tp_size, self.total_kv_heads = engine.settings, engine.tp_size, engine.total_kv_heads
+        self.producer, self.consumer = engine.producer, engine.consumer
         self.engine_id = engine_id
-        self.tp_size = tp_size
-        self.total_kv_heads = total_kv_heads  # the model's; None: equal TP sizes only
         self._to_send: list[ReadyToSend] = []
         self._to_receive: list[ToReceive] = []
         self._held: set[str] = set()  # prefill requests whose blocks wait for finished_sending

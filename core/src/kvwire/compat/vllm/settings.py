@@ -36,7 +36,7 @@ from typing import Any, Final
 from kvwire.config import BackendConfig, check_seconds
 from kvwire.errors import ConfigError
 
-__all__ = ["DEFAULT_SIDE_CHANNEL_PORT", "ConnectorSettings"]
+__all__ = ["DEFAULT_SIDE_CHANNEL_PORT", "ConnectorSettings", "EngineSide"]
 
 log = logging.getLogger("kvwire.compat.vllm")
 
@@ -134,3 +134,18 @@ class ConnectorSettings:
             load_timeout_s=load_timeout_s,
             extra=dict(extra),
         )
+
+
+@dataclass(frozen=True)
+class EngineSide:
+    """What a connector knows of its engine: the settings, its TP size, its role and the model's KV heads.
+
+    ``total_kv_heads`` is the model's (vLLM's ``model_config.get_total_num_kv_heads()``), or None when
+    unknown: then only prefills of this engine's TP size are served.
+    """
+
+    settings: ConnectorSettings
+    tp_size: int
+    producer: bool
+    consumer: bool
+    total_kv_heads: int | None = None

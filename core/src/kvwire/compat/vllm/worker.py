@@ -20,7 +20,7 @@ from kvwire.compat.vllm.metadata import StepMetadata
 from kvwire.compat.vllm.rank import WorkerRank
 from kvwire.compat.vllm.receiving import Receiver
 from kvwire.compat.vllm.sending import Sender
-from kvwire.compat.vllm.settings import ConnectorSettings
+from kvwire.compat.vllm.settings import EngineSide
 from kvwire.connection.connection import Connection
 from kvwire.control.auth import load_key
 from kvwire.errors import ConfigError
@@ -38,20 +38,10 @@ class WorkerSide:
     of another TP size, head by head.
     """
 
-    def __init__(
-        self,
-        settings: ConnectorSettings,
-        tp_rank: int,
-        tp_size: int,
-        *,
-        producer: bool,
-        consumer: bool,
-        total_kv_heads: int | None = None,
-    ) -> None:
-        self.settings = settings
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.total_kv_heads = total_kv_heads
-        self.producer, self.consumer = producer, consumer
+    def __init__(self, engine: EngineSide, tp_rank: int) -> None:
+        self.settings, self.tp_size, self.total_kv_heads = engine.settings, engine.tp_size, engine.total_kv_heads
+        self.producer, self.consumer = engine.producer, engine.consumer
+        self.tp_rank = tp_rank
         self.local: VllmLayout | None = None
         self.connection: Connection | None = None
         self.sender: Sender | None = None
