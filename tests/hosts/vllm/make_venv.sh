@@ -40,64 +40,17 @@ REQUIREMENTS="$HERE/requirements.txt"
 STAMP="$VENV/.kvwire-vllm-stamp"
 INDEX_URL="${PIP_INDEX_URL:-https://pypi.org/simple}"
 
-say() { printf 'vllm venv: %s\n' "$*" >&2; }
-die() { local code="$1"; shift; say "$*"; exit "$code"; }
-
-stamp_hash() {
-    {
-        printf '%s\n' "$VLLM" "$TORCH_WHEEL" "${NIXL[@]}" "$MOONCAKE_ENGINE" "${BOOTSTRAP[@]}"
-        cat "$REQUIREMENTS" "${BASH_SOURCE[0]}"
-    } | sha256sum | cut -d' ' -f1
+LABEL="vllm venv"
+PROBE="vllm"
+REPO_HOSTS="$(cd "$HERE/.." && pwd)"
+stamp_inputs() {
+    printf '%s\n' "$VLLM" "$TORCH_WHEEL" "${NIXL[@]}" "$MOONCAKE_ENGINE" "${BOOTSTRAP[@]}"
+    cat "$REQUIREMENTS"
 }
-
-# Prints nothing and returns 0 when the index answers; else prints the reason and returns 1.
-probe_index() {
-    "$PYTHON" - "$INDEX_URL" <<'PY'
-import os, ssl, sys, urllib.request
-url = sys.argv[1].rstrip("/") + "/vllm/"
-ctx = ssl.create_default_context(cafile=os.environ.get("PIP_CERT") or None)
-try:
-    with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=15, context=ctx) as r:
-        if r.status >= 400:
-            raise OSError(f"HTTP {r.status}")
-except Exception as e:  # noqa: BLE001 - any failure means "unreachable" here
-    print(f"{url}: {type(e).__name__}: {e}".replace("\n", " "))
-    sys.exit(1)
-PY
-}
-
-# pip, in the venv, never resolving dependencies. A failure with the index gone becomes exit 3.
-# (Drops pip's warning about file:// extra indexes that lack a package: noise from this machine's pip.conf.)
-pip_install() {
-    if ! "$VENV/bin/python" -m pip install --no-deps --no-input --progress-bar off -q "$@" 2>&1 \
-        | { grep -v -e "is ignored: it is neither a file nor a directory" || true; } >&2; then
-        local why
-        if ! why="$(probe_index)"; then die 3 "package index unreachable ($why)"; fi
-        die 1 "pip install --no-deps $* failed"
-    fi
-}
-
-command -v "$PYTHON" >/dev/null || die 4 "$PYTHON not found (the torch wheel is cp311)"
-[ -f "$TORCH_WHEEL" ] || die 4 "torch CPU wheel not found ($TORCH_WHEEL)"
-
-# One builder per venv path at a time (parallel test sessions).
-LOCK="${TMPDIR:-/tmp}/kvwire-vllm-venv-$(printf '%s' "$VENV" | sha256sum | cut -c1-16).lock"
-exec 9>"$LOCK"
-flock 9
-
-WANT="$(stamp_hash)"
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && [ -x "$VENV/bin/python" ]; then
-    say "up to date ($VENV)"
-    exit 0
-fi
-
-if ! why="$(probe_index)"; then die 3 "package index unreachable ($why)"; fi
-
-START=$SECONDS
-say "building $VENV from scratch"
-rm -rf "$VENV"
-"$PYTHON" -m venv "$VENV"
-export PIP_DISABLE_PIP_VERSION_CHECK=1
+# shellcheck source=../venv_common.sh
+source "$REPO_HOSTS/venv_common.sh"
+if venv_up_to_date; then exit 0; fi
+start_build
 
 pip_install "${BOOTSTRAP[@]}"
 pip_install "$VLLM"  # a 336 MB wheel (the CUDA build; its Python side is what runs here)
@@ -105,14 +58,7 @@ pip_install "$TORCH_WHEEL"
 pip_install -r "$REQUIREMENTS"
 pip_install "${NIXL[@]}"
 pip_install "$MOONCAKE_ENGINE"
-if [ -x "$REPO/.venv/bin/python" ]; then  # the repo's own venv is the reference for the engine versions
-    for pin in "$MOONCAKE_ENGINE" "${NIXL[1]}"; do
-        have="$("$REPO/.venv/bin/python" -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' \
-            "${pin%%==*}" 2>/dev/null || true)"
-        [ -z "$have" ] || [ "$have" = "${pin##*==}" ] \
-            || say "warning: $REPO/.venv has ${pin%%==*} $have, this venv ${pin##*==}"
-    done
-fi
+for pin in "$MOONCAKE_ENGINE" "${NIXL[1]}"; do check_pin_against_repo "$pin"; done
 pip_install --no-build-isolation -e "$REPO/core" -e "$REPO/plugins/mooncake" -e "$REPO/plugins/nixl"
 
 # Fail here, not in the tests, if the chain no longer imports.
@@ -125,5 +71,4 @@ assert type(current_platform).__name__ == 'CpuPlatform', current_platform
 import nixl._api, mooncake.engine, kvwire, kvwire_mooncake, kvwire_nixl
 " 2>/dev/null || die 1 "import check failed in $VENV (run the import above in it to see why)"
 
-printf '%s\n' "$WANT" >"$STAMP"
-say "ready ($VENV, $(("$VENV/bin/python" -m pip list 2>/dev/null || true) | tail -n +3 | wc -l) packages, $((SECONDS - START))s)"
+write_stamp
