@@ -97,3 +97,20 @@ def sglang_source() -> Callable[[str], Path]:
             index_unreachable(f"sglang {version} source unavailable: {exc}")
 
     return get
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The interpreter of the pinned vLLM venv (``.venv-vllm``), built by its make_venv.sh when missing or stale.
+
+    The first use waits for a cold build (about 2-4 minutes); the test skips only when the package index is
+    unreachable (make_venv.sh's exit 3).
+    """
+    root = Path(__file__).parents[2]
+    venv = root / ".venv-vllm"
+    script = Path(__file__).parent / "vllm" / "make_venv.sh"
+    proc = subprocess.run(["bash", str(script), str(venv)], capture_output=True, text=True, timeout=1800, cwd=root)
+    if proc.returncode == 3:
+        index_unreachable(proc.stderr.strip().splitlines()[-1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return venv / "bin" / "python"

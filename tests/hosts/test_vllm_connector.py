@@ -30,8 +30,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "vllm"))
 
-from offline import index_unreachable
-from pd_pair import ROOT, NodeProcess, node_env
+from pd_pair import NodeProcess, node_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -39,19 +38,6 @@ HERE = Path(__file__).parent / "vllm"
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 PROMPT = 100  # tokens: 4 blocks of 32
 LOAD_TIMEOUT_S = 8.0
-
-
-@pytest.fixture(scope="session")
-def vllm_python() -> Path:
-    """The venv's interpreter, once the pinned vLLM venv exists (built, or found cached, by make_venv.sh)."""
-    venv = ROOT / ".venv-vllm"
-    proc = subprocess.run(
-        ["bash", str(HERE / "make_venv.sh"), str(venv)], capture_output=True, text=True, timeout=1800, cwd=ROOT
-    )
-    if proc.returncode == 3:
-        index_unreachable(proc.stderr.strip().splitlines()[-1])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return venv / "bin" / "python"
 
 
 def _free_port() -> int:

@@ -22,28 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from offline import index_unreachable
 
 # the first test also waits for a cold venv build (about 2-4 minutes; make_venv.sh may take up to 1800 s)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 HERE = Path(__file__).parent / "vllm"
 ROOT = Path(__file__).parents[2]
-VENV = ROOT / ".venv-vllm"
 STUB = "stub_connector.KvwireConnector"
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-
-
-@pytest.fixture(scope="session")
-def vllm_python() -> Path:
-    """The venv's interpreter, once the pinned vLLM venv exists (built here when missing or stale)."""
-    proc = subprocess.run(
-        ["bash", str(HERE / "make_venv.sh"), str(VENV)], capture_output=True, text=True, timeout=1800, cwd=ROOT
-    )
-    if proc.returncode == 3:
-        index_unreachable(proc.stderr.strip().splitlines()[-1])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return VENV / "bin" / "python"
 
 
 def _probe(python: Path, name: str) -> dict[str, Any]:

@@ -42,6 +42,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("UCX_MODULES", "^efa")
 sys.path.insert(0, str(Path(__file__).parent))
 
+import probe_scheduler  # noqa: E402  (next to this script: sys.path[0])
 import torch  # noqa: E402
 from vllm.config import (  # noqa: E402
     DeviceConfig,
@@ -70,22 +71,7 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from kvwire.control import serve  # noqa: E402
 
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "num_hidden_layers": 2,
-    "vocab_size": 1000,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6,
-    "torch_dtype": "float16",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
+TINY_LLAMA = {**probe_scheduler.TINY_LLAMA, "max_position_embeddings": 4096}  # longer prompts than the probe's
 BLOCK_SIZE, HEADS, HEAD_SIZE = 32, 2, 64  # a multiple of 32: the CPU backend's kernel block sizes, and NIXL's
 STEP_PAUSE_S = 0.0002  # between engine steps, as an idle engine loop would poll
 
@@ -154,6 +140,15 @@ class Node:
             block_size=BLOCK_SIZE,
             log_stats=False,
         )
+        self.allocated: dict[str, list[int]] = {}  # the blocks vLLM gave each request, as the connector heard
+        allocated = self.scheduler.connector.update_state_after_alloc
+
+        def noting_blocks(request: Any, blocks: Any, num_external_tokens: int) -> Any:
+            self.allocated[request.request_id] = list(blocks.get_block_ids()[0])
+            return allocated(request, blocks, num_external_tokens)
+
+        # a failed load can end the request (and free its blocks) within the very step that allocated them
+        self.scheduler.connector.update_state_after_alloc = noting_blocks
         ensure_kv_transfer_initialized(self.config, self.kvc)
         self.worker = get_kv_transfer_group()
         layout = self.config.cache_config.get_resolved_kv_cache_layout()
@@ -291,7 +286,7 @@ class Node:
         self.invalid = set()  # what get_block_ids_with_load_errors reports from here on
         self.scheduler.add_request(self._request(req_id, int(msg["n_tokens"]), dict(msg["params"]), 2))
         self.step()  # get_num_new_matched_tokens, update_state_after_alloc: the blocks are allocated
-        block_ids = list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+        block_ids = self.allocated.get(req_id) or list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
         before = self.digests(block_ids) if msg.get("check_untouched", True) else None
         ok = self.step_until(lambda: req_id in self.recved, float(msg.get("timeout_s", 30)))
         t_recv = self.recved.get(req_id)
