@@ -8,13 +8,13 @@ plain ones with the attributes the connector reads, and its KV cache by tensors 
 
 from __future__ import annotations
 
-import socket
 import time
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from ports import free_port_run
 
 from kvwire import ConfigError, HeadLayout, InvalidTransferError, LayoutError, PeerDescription
 from kvwire.compat.vllm import ConnectorSettings, layout_from_kv_caches, parse_remote_prefill, prefill_params
@@ -153,9 +153,7 @@ def _blocks(ids: list[int]) -> Any:
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port_run(8)  # a side channel per prefill TP rank: port + rank
 
 
 class Clock:

@@ -18,7 +18,6 @@ Everything runs in the cached ``.venv-vllm`` (see ``test_vllm_real.py`` and test
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ports import free_port_run
 
 sys.path.insert(0, str(Path(__file__).parent / "vllm"))
 
@@ -41,9 +41,7 @@ LOAD_TIMEOUT_S = 8.0
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port_run(4)  # a side channel per prefill TP rank: port + rank
 
 
 def _extra(backend: str, port: int) -> dict[str, Any]:
