@@ -114,8 +114,7 @@ class TransportBackend(ABC):
         plan = plan_request(request, local, peer)
         planned = telemetry.clock()
         if len(plan):
-            limit = getattr(self.transport, "staging_max_item", None)
-            gather = gather_of(plan, local, limit) if self._staging is not None else None
+            gather = gather_of(plan, local, self._staging.max_item) if self._staging is not None else None
             if gather is not None and self._staging is not None:
                 self._staging.write(session_id, gather)
             else:

@@ -112,6 +112,8 @@ class Staging:
     def __init__(self, transport: Transport, nbytes: int = STAGING_BYTES) -> None:
         self._transport = transport
         self._nbytes = nbytes
+        #: The transport's ``staging_max_item``, read once: slices this large or larger are written as planned.
+        self.max_item: int | None = getattr(transport, "staging_max_item", None)
         self._lock = threading.Lock()
         self._buffer: NDArray[np.uint8] | None = None
         self._pool: ThreadPoolExecutor | None = None
