@@ -9,7 +9,10 @@ from dataclasses import dataclass
 from kvwire.compat.vllm.layout import VllmLayout
 from kvwire.connection.connection import Connection
 
-__all__ = ["WorkerRank"]
+__all__ = ["KEPT_FAILURES", "WorkerRank"]
+
+#: How many failure reasons a sender or a receiver keeps (the latest; for logs and tests).
+KEPT_FAILURES = 100
 
 
 @dataclass(frozen=True)

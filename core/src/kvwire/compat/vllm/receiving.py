@@ -31,7 +31,7 @@ from typing import Any
 
 from kvwire.compat.vllm.channel import RegistrationClient, ReplyCallback
 from kvwire.compat.vllm.metadata import ToReceive
-from kvwire.compat.vllm.rank import WorkerRank
+from kvwire.compat.vllm.rank import KEPT_FAILURES, WorkerRank
 from kvwire.compat.vllm.registration import Registration, parse_notification
 from kvwire.errors import InvalidTransferError
 from kvwire.layout.buffers import LayoutError
@@ -42,9 +42,6 @@ from kvwire.submit.watcher import Arrival, NotificationWatcher
 __all__ = ["Receiver"]
 
 log = logging.getLogger("kvwire.compat.vllm")
-
-#: How many failure reasons a receiver keeps (the latest; for logs and tests).
-_KEPT_FAILURES = 100
 
 
 @dataclass
@@ -69,7 +66,7 @@ class Receiver:
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
         self._errors: set[int] = set()
-        self.failures: dict[str, str] = {}  # request id -> why it failed (the latest _KEPT_FAILURES)
+        self.failures: dict[str, str] = {}  # request id -> why it failed (the latest KEPT_FAILURES)
         self._watcher = NotificationWatcher(connection, self._on_arrival, max_kept=0, name="kvwire-vllm-arrivals")
 
     def _senders(self, tp_size: int) -> tuple[int | None, ...]:
@@ -171,7 +168,7 @@ class Receiver:
                 elif pending.settled == pending.senders or pending.deadline <= now:
                     reason = pending.failure or self._timeout_reason(pending)
                     self.failures[request_id] = reason
-                    while len(self.failures) > _KEPT_FAILURES:
+                    while len(self.failures) > KEPT_FAILURES:
                         del self.failures[next(iter(self.failures))]
                     self._errors.update(pending.block_ids)
                 else:

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from kvwire.compat.vllm.metadata import ReadyToSend
-from kvwire.compat.vllm.rank import WorkerRank
+from kvwire.compat.vllm.rank import KEPT_FAILURES, WorkerRank
 from kvwire.compat.vllm.registration import Registration, notification_for
 from kvwire.errors import InvalidTransferError, KvwireError
 from kvwire.planning.head_slicing import senders, slicing_of
@@ -45,8 +45,6 @@ __all__ = ["Sender"]
 
 log = logging.getLogger("kvwire.compat.vllm")
 
-#: How many failure reasons a sender or receiver keeps (for logs and tests).
-_KEPT_FAILURES = 100
 #: Seconds kept between a write's latest end and the moment its decode stops waiting (message delays).
 _MARGIN_S = 1.0
 
@@ -75,7 +73,7 @@ class Sender:
         self._waiting: dict[str, dict[int | None, tuple[Registration, float]]] = {}
         self._done: set[str] = set()
         self._peers: dict[str, Any] = {}  # endpoint -> the layout add_peer was given
-        self.failures: deque[str] = deque(maxlen=_KEPT_FAILURES)  # the latest refusals and failed writes
+        self.failures: deque[str] = deque(maxlen=KEPT_FAILURES)  # the latest refusals and failed writes
 
     def mark_ready(self, item: ReadyToSend) -> None:
         """The scheduler finished ``item.request_id``: its blocks may go to the decode that registers."""
