@@ -11,7 +11,7 @@ from kvwire.layout.buffers import HeadLayout, KVBuffer, LayoutError, MemoryKind,
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.planning.pairing import layer_id_list
 
-__all__ = ["layer_ids_from_sglang", "layout_from_kv_args"]
+__all__ = ["layer_ids_from_sglang", "layout_from_kv_args", "sglang_layer_ids"]
 
 
 def layer_ids_from_sglang(ids: Sequence[int] | None, name: str = "dst_layer_ids") -> list[int] | None:
@@ -24,9 +24,11 @@ def layer_ids_from_sglang(ids: Sequence[int] | None, name: str = "dst_layer_ids"
     The decode registers the same list and ``transfer_worker`` passes it as
     ``dst_layer_ids``. Halves that differ are refused, naming ``name``.
     """
-    if ids is None:
-        return None
-    values = layer_id_list(name, ids)
+    return None if ids is None else sglang_layer_ids(layer_id_list(name, ids), name)
+
+
+def sglang_layer_ids(values: list[int], name: str = "dst_layer_ids") -> list[int] | None:
+    """:func:`layer_ids_from_sglang` of ``values`` already checked to be ints (``layer_id_list``)."""
     if not values:
         return None
     half = len(values) // 2

@@ -19,7 +19,7 @@ from typing import List, Optional  # noqa: UP035 - sglang's annotations, verbati
 import numpy as np
 import numpy.typing as npt
 
-from kvwire.compat.sglang.layout import layer_ids_from_sglang
+from kvwire.compat.sglang.layout import sglang_layer_ids
 from kvwire.connection import Connection
 from kvwire.errors import (
     InvalidTransferError,
@@ -157,7 +157,7 @@ class KvwireSendMixin:
         peer = self.kvwire_connection.peer_layout(session_id) if ids else None
         if peer is not None and ids == [b.layer for b in peer.buffers]:
             return None
-        return layer_ids_from_sglang(ids)
+        return sglang_layer_ids(ids)
 
 
 class SglangSender(KvwireSendMixin):
