@@ -20,13 +20,25 @@ shared machine falls on both alike, and prints the medians and the ratio
 kvwire-nixl / 2-thread memcpy (also the median of the per-round ratios).
 ``--option KEY=VALUE`` is passed on to ``kvwire bench`` (e.g. ``streams=3``).
 
+``--with-cma`` (Linux) also times the kernel's cross-process copy of the same
+descriptors, with no transport: the same number of threads each call
+``process_vm_writev`` (up to 1,024 descriptors a call) into a child process
+holding an identical destination pool. UCX's ``cma`` transport, which
+kvwire-nixl uses between processes of one host, copies with that call, so
+this row separates what the kernel's copy costs from what UCX, NIXL and
+kvwire add. Pools are private mappings advised to use transparent huge pages
+(:func:`kvwire.workload.memory.allocate`): the kernel pins every page it
+writes in the other process, and with 4 KiB pages that pinning cost
+kvwire-nixl about a quarter of its throughput here.
+
     python bench/nixl_ceiling.py [--preset llama3-8b] [--requests 8] [--tokens 4096] [--threads 2] [--backing auto]
-                                 [--with-nixl [--rounds 5] [--option KEY=VALUE ...]] [--json]
+                                 [--with-nixl [--rounds 5] [--option KEY=VALUE ...]] [--with-cma] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import itertools
 import json
 import statistics
@@ -72,6 +84,69 @@ def _slices(plan: kvwire.TransferPlan, k: int) -> list[slice]:
     return [slice(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
 
 
+#: What the child of ``--with-cma`` runs: the destination pool, its buffer bases on stdout, then wait for EOF.
+_CMA_CHILD = """
+import json, sys
+from kvwire.benchmark.presets import get_preset
+from kvwire.workload.memory import allocate
+preset, pages, backing, seed = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+p = get_preset(preset)
+dst = allocate(p.entries(decode_side=False), pages, p.page_bytes, backing=backing)
+dst.fill_random(seed)
+print(json.dumps([b.base for b in dst.layout.buffers]), flush=True)
+sys.stdin.read()
+"""
+_IOV_MAX = 1024
+
+
+class _Cma:
+    """A child process holding a pool laid out like ``dst``; copies plans into it with ``process_vm_writev``."""
+
+    def __init__(self, args: argparse.Namespace, dst: KVMemory, pool_pages: int) -> None:
+        command = [sys.executable, "-c", _CMA_CHILD, args.preset, str(pool_pages), args.backing, str(args.seed + 1)]
+        self.child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.child.stdout is not None
+        child_bases = json.loads(self.child.stdout.readline())
+        here = [b.base for b in dst.layout.buffers]
+        order = np.argsort(here)
+        self.here = np.array(here, dtype=np.int64)[order]  # dst's bases, sorted
+        self.there = np.array(child_bases, dtype=np.int64)[order]  # the child's base of the same buffer
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.process_vm_writev.restype = ctypes.c_ssize_t
+        self.libc.process_vm_writev.argtypes = [
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_ulong,
+            ctypes.c_void_p,
+            ctypes.c_ulong,
+            ctypes.c_ulong,
+        ]
+
+    def iovecs(self, plan: kvwire.TransferPlan) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
+        """(local, remote) iovec arrays of ``plan``: its sources as they are, its targets moved into the child."""
+        b = np.searchsorted(self.here, plan.dst, side="right") - 1
+        local = np.stack([plan.src, plan.length], axis=1).astype(np.uint64)
+        remote = np.stack([plan.dst - self.here[b] + self.there[b], plan.length], axis=1).astype(np.uint64)
+        return np.ascontiguousarray(local), np.ascontiguousarray(remote)
+
+    def write(self, local: NDArray[np.uint64], remote: NDArray[np.uint64], rows: slice) -> None:
+        """Write descriptors ``rows``, at most ``_IOV_MAX`` a call; the whole length, or SystemExit."""
+        start, stop, _ = rows.indices(local.shape[0])
+        for lo in range(start, stop, _IOV_MAX):
+            hi = min(stop, lo + _IOV_MAX)
+            want = int(local[lo:hi, 1].sum())
+            got = self.libc.process_vm_writev(
+                self.child.pid, local[lo:].ctypes.data, hi - lo, remote[lo:].ctypes.data, hi - lo, 0
+            )
+            if got != want:
+                raise SystemExit(f"process_vm_writev wrote {got} of {want} bytes (errno {ctypes.get_errno()})")
+
+    def close(self) -> None:
+        assert self.child.stdin is not None
+        self.child.stdin.close()
+        self.child.wait(timeout=30)
+
+
 def _nixl_bench(args: argparse.Namespace) -> dict[str, Any]:
     """One ``kvwire bench --backend nixl --json`` run with this run's preset, sizes and seed."""
     command = [sys.executable, "-m", "kvwire", "bench", "--backend", "nixl", "--preset", args.preset]
@@ -101,6 +176,9 @@ def main() -> int:
     parser.add_argument("--with-nixl", action="store_true", help="also run kvwire bench --backend nixl, alternating")
     parser.add_argument("--rounds", type=int, default=5, help="--with-nixl: memcpy/nixl rounds (default 5)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="for kvwire bench")
+    parser.add_argument(
+        "--with-cma", action="store_true", help="also time process_vm_writev of the same descriptors (Linux)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -125,8 +203,10 @@ def main() -> int:
     block_src, block_dst = np.ones(plans[0].nbytes, np.uint8), np.zeros(plans[0].nbytes, np.uint8)
     np.copyto(block_dst, block_src)  # fault every page in before timing
 
-    fragmented, contiguous, parallel, nixl, ratios = [], [], [], [], []
+    fragmented, contiguous, parallel, nixl, ratios, cma_passes = [], [], [], [], [], []
     pool = ThreadPoolExecutor(max(1, args.threads))
+    cma = _Cma(args, dst, pool_pages) if args.with_cma else None
+    cma_iovecs = [cma.iovecs(plan) for plan in plans] if cma is not None else []
     rounds = args.rounds if args.with_nixl else 1
     bench: dict[str, Any] = {}
     for _ in range(rounds):
@@ -144,6 +224,12 @@ def main() -> int:
             for _ in plans:
                 np.copyto(block_dst, block_src)
             contiguous.append(block_src.nbytes * len(plans) / (time.perf_counter() - start) / 1e9)
+            if cma is not None:
+                start = time.perf_counter()
+                for plan, (local, remote) in zip(plans, cma_iovecs, strict=True):
+                    parts = _slices(plan, max(1, args.threads))
+                    list(pool.map(lambda rows, local=local, remote=remote: cma.write(local, remote, rows), parts))
+                cma_passes.append(nbytes / (time.perf_counter() - start) / 1e9)
         parallel += passes
         if args.with_nixl:
             bench = _nixl_bench(args)
@@ -173,6 +259,9 @@ def main() -> int:
         "threads": args.threads,
         "memcpy_descriptors_threads_gbps": round(statistics.median(parallel), 3),
     }
+    if cma is not None:
+        cma.close()
+        result["cma_threads_gbps"] = round(statistics.median(cma_passes), 3)
     if args.with_nixl:
         result.update(
             rounds=rounds,
@@ -194,6 +283,9 @@ def main() -> int:
         print(f"  same descriptors   {result['memcpy_descriptors_gbps']:7.3f} GB/s")
         print(f"  one block          {result['memcpy_contiguous_gbps']:7.3f} GB/s")
         print(f"  same, {args.threads} threads   {result['memcpy_descriptors_threads_gbps']:7.3f} GB/s")
+        if cma is not None:
+            cma_gbps = result["cma_threads_gbps"]
+            print(f"  cma, {args.threads} threads    {cma_gbps:7.3f} GB/s   (process_vm_writev into a child)")
         if args.with_nixl:
             options = f", options {' '.join(args.option)}" if args.option else ""
             print(f"  kvwire-nixl        {result['nixl_gbps']:7.3f} GB/s   (kvwire bench --backend nixl{options})")
@@ -201,6 +293,8 @@ def main() -> int:
                 f"  kvwire-nixl / {args.threads} threads = {result['ratio']:.3f} "
                 f"(medians, {rounds} alternating rounds; per-round median {result['ratio_per_round']:.3f})"
             )
+            if cma is not None:
+                print(f"  kvwire-nixl / cma = {result['nixl_gbps'] / result['cma_threads_gbps']:.3f} (medians)")
     return 0
 
 

@@ -12,7 +12,12 @@ by side) is timed three ways, rounds interleaved so that noise hits all alike:
   stay alive while kvwire plans, as in a serving process;
 * after a busy-wait: the same plan after spinning as long as that loop took,
   allocating nothing (a control: what time away alone costs);
-* the sglang-style loop alone, for scale.
+* the sglang-style loop alone, for scale;
+* ``floor``: ten numpy calls on the request's page ids, the fewest a
+  vectorised run-finder needs (differences, breaks, starts, counts, gathers, a
+  bound, the address arithmetic), validating nothing and writing no plan. It is
+  no planner; it shows what a process that was busy elsewhere costs this
+  machine's CPU for any numpy code of this shape.
 
 Medians in microseconds; ``busy/alone`` is interleaved over alone, ``now/before``
 compares the two kvwires. Absolute times are this machine's; the targets
@@ -85,6 +90,21 @@ def measure(
     return alone, inter, wait, loop
 
 
+def numpy_floor(src: np.ndarray, dst: np.ndarray, page_bytes: int) -> Callable[[], object]:
+    """Ten numpy calls on ``src`` and ``dst`` (see the module docstring): a floor, not a planner."""
+
+    def floor() -> object:
+        brk = np.subtract(src[1:], src[:-1]) != 1
+        brk |= np.subtract(dst[1:], dst[:-1]) != 1
+        starts = np.flatnonzero(brk)
+        counts = np.diff(starts)
+        first_src, first_dst = src.take(starts), dst.take(starts)
+        size = np.int64(page_bytes)
+        return np.maximum.reduce(counts), np.multiply(first_src, size), np.add(first_dst, size)
+
+    return floor
+
+
 def run(before_rev: str | None, rounds: int, reps: int, seed: int) -> list[dict[str, Any]]:
     rng = np.random.default_rng(seed)
     s, d = make_request(rng, 2048, 4)
@@ -107,6 +127,8 @@ def run(before_rev: str | None, rounds: int, reps: int, seed: int) -> list[dict[
     rows = []
     for request, (src, dst), target in (("2048 pages, mean run 4", (s, d), 150.0), ("1 page", (s[:1], d[:1]), 10.0)):
         planners = {"now": _planner(plan_transfer, local, peer, src, dst)}
+        if len(src) > 1:
+            planners["floor"] = numpy_floor(src, dst, item_lens[0])
         if before is not None:
             old_local, old_peer = make_layout(1 << 40, kinds), make_layout(1 << 44, kinds)
             planners["before"] = _planner(before.plan_transfer, old_local, old_peer, src, dst)

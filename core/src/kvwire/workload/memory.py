@@ -1,9 +1,13 @@
 """KV memory for workloads: allocate buffers, fill them with random bytes, digest pages.
 
-One allocator for the bench and the contract kit: numpy buffers (an anonymous
-mapping advised to use transparent huge pages, as serving engines' KV pools
-are), or torch tensors when asked (torch CPU, or device memory for device
-buffers).
+One allocator for the bench and the contract kit: numpy buffers, or torch
+tensors when asked (torch CPU, or device memory for device buffers). Host
+memory of either kind is an anonymous mapping advised to use transparent huge
+pages, as serving engines' host KV pools should be: a cross-process copy
+(UCX ``cma``, the kernel's ``process_vm_writev``) pins every destination page
+it writes, and with 4 KiB pages that pinning cost kvwire-nixl about a quarter
+of its throughput here (``bench/nixl_ceiling.py``; torch's own allocator gives
+huge pages only under ``THP_MEM_ALLOC_ENABLE=1``).
 """
 
 from __future__ import annotations
@@ -37,8 +41,12 @@ def _torch_or_none() -> Any:
 
 
 def _hugepage_array(num_pages: int, page_bytes: int) -> NDArray[np.uint8]:
-    """An anonymous mapping advised to use transparent huge pages."""
-    region = mmap.mmap(-1, num_pages * page_bytes)
+    """A private anonymous mapping advised to use transparent huge pages.
+
+    Private: a shared anonymous mapping is shmem, which gets huge pages only
+    where ``shmem_enabled`` allows (not by default).
+    """
+    region = mmap.mmap(-1, num_pages * page_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with contextlib.suppress(AttributeError, OSError):  # no madvise / THP: plain pages are fine
         region.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(region, np.uint8).reshape(num_pages, page_bytes)
@@ -114,11 +122,17 @@ def allocate(
     buffers = []
     for layer, role, kind in entries:
         on_device = kind == "device" and device != "cpu"
-        if torch is not None:
-            t = torch.empty((num_pages, page_bytes), dtype=torch.uint8, device=device if on_device else "cpu")
+        if torch is not None and on_device:
+            t = torch.empty((num_pages, page_bytes), dtype=torch.uint8, device=device)
             tensors.append(t)
             ptr = int(t.data_ptr())
-            views.append(np.empty(0, np.uint8) if on_device else t.numpy())
+            views.append(np.empty(0, np.uint8))
+        elif torch is not None:  # a torch tensor over huge-page memory (frombuffer keeps the mapping alive)
+            a = _hugepage_array(num_pages, page_bytes)
+            t = torch.frombuffer(a, dtype=torch.uint8).reshape(num_pages, page_bytes)
+            tensors.append(t)
+            ptr = int(t.data_ptr())
+            views.append(a)
         else:
             a = _hugepage_array(num_pages, page_bytes)
             views.append(a)
