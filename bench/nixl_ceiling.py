@@ -87,6 +87,7 @@ def _slices(plan: kvwire.TransferPlan, k: int) -> list[slice]:
 #: What the child of ``--with-cma`` runs: the destination pool, its buffer bases on stdout, then wait for EOF.
 _CMA_CHILD = """
 import json, sys
+import numpy as np
 from kvwire.benchmark.presets import get_preset
 from kvwire.workload.memory import allocate
 preset, pages, backing, seed = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
@@ -94,7 +95,8 @@ p = get_preset(preset)
 dst = allocate(p.entries(decode_side=False), pages, p.page_bytes, backing=backing)
 dst.fill_random(seed)
 print(json.dumps([b.base for b in dst.layout.buffers]), flush=True)
-sys.stdin.read()
+for line in sys.stdin:  # page ids: answer their digest, from the child's own view of its pool
+    print(dst.digest(np.array(json.loads(line), dtype=np.int64)), flush=True)
 """
 _IOV_MAX = 1024
 
@@ -112,15 +114,16 @@ class _Cma:
         self.here = np.array(here, dtype=np.int64)[order]  # dst's bases, sorted
         self.there = np.array(child_bases, dtype=np.int64)[order]  # the child's base of the same buffer
         self.libc = ctypes.CDLL(None, use_errno=True)
-        self.libc.process_vm_writev.restype = ctypes.c_ssize_t
-        self.libc.process_vm_writev.argtypes = [
-            ctypes.c_int,
-            ctypes.c_void_p,
-            ctypes.c_ulong,
-            ctypes.c_void_p,
-            ctypes.c_ulong,
-            ctypes.c_ulong,
-        ]
+        for call in (self.libc.process_vm_writev, self.libc.process_vm_readv):
+            call.restype = ctypes.c_ssize_t
+            call.argtypes = [
+                ctypes.c_int,
+                ctypes.c_void_p,
+                ctypes.c_ulong,
+                ctypes.c_void_p,
+                ctypes.c_ulong,
+                ctypes.c_ulong,
+            ]
 
     def iovecs(self, plan: kvwire.TransferPlan) -> tuple[NDArray[np.uint64], NDArray[np.uint64]]:
         """(local, remote) iovec arrays of ``plan``: its sources as they are, its targets moved into the child."""
@@ -140,6 +143,13 @@ class _Cma:
             )
             if got != want:
                 raise SystemExit(f"process_vm_writev wrote {got} of {want} bytes (errno {ctypes.get_errno()})")
+
+    def digest(self, pages: NDArray[np.integer[Any]]) -> str:
+        """The child's digest of ``pages`` of its pool (every buffer, in layout order), computed in the child."""
+        assert self.child.stdin is not None and self.child.stdout is not None
+        self.child.stdin.write(json.dumps(pages.tolist()) + "\n")
+        self.child.stdin.flush()
+        return self.child.stdout.readline().strip()
 
     def close(self) -> None:
         assert self.child.stdin is not None
@@ -198,6 +208,7 @@ def main() -> int:
         s = place(rng, lengths, pool_pages).astype(np.int32)
         d = place(rng, lengths, pool_pages).astype(np.int32)
         plans.append(kvwire.plan_transfer(src.layout, dst.layout, s, ptrs, d))
+        last = (s, d)
         before += plans[-1].descriptors_before
     nbytes = sum(p.nbytes for p in plans)
     block_src, block_dst = np.ones(plans[0].nbytes, np.uint8), np.zeros(plans[0].nbytes, np.uint8)
@@ -260,8 +271,12 @@ def main() -> int:
         "memcpy_descriptors_threads_gbps": round(statistics.median(parallel), 3),
     }
     if cma is not None:
-        cma.close()
         result["cma_threads_gbps"] = round(statistics.median(cma_passes), 3)
+        # The last request's pages (an earlier request's may be rewritten by a later one): the child's digest of
+        # its target pages against this process's of the source pages, page for page.
+        result["cma_verified"] = cma.digest(last[1]) == src.digest(last[0].astype(np.int64))
+        if not result["cma_verified"]:
+            raise SystemExit("process_vm_writev left other bytes in the child than the plans' sources")
     if args.with_nixl:
         result.update(
             rounds=rounds,
@@ -273,6 +288,8 @@ def main() -> int:
             ratio_per_round=round(statistics.median(ratios), 3),
         )
     pool.shutdown()
+    if cma is not None:
+        cma.close()
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -285,7 +302,7 @@ def main() -> int:
         print(f"  same, {args.threads} threads   {result['memcpy_descriptors_threads_gbps']:7.3f} GB/s")
         if cma is not None:
             cma_gbps = result["cma_threads_gbps"]
-            print(f"  cma, {args.threads} threads    {cma_gbps:7.3f} GB/s   (process_vm_writev into a child)")
+            print(f"  cma, {args.threads} threads    {cma_gbps:7.3f} GB/s   (process_vm_writev into a child, verified)")
         if args.with_nixl:
             options = f", options {' '.join(args.option)}" if args.option else ""
             print(f"  kvwire-nixl        {result['nixl_gbps']:7.3f} GB/s   (kvwire bench --backend nixl{options})")
