@@ -60,6 +60,10 @@ def test_bench_inflight_requests_confirms_each_request_by_notification() -> None
     assert len(result["inflight_wave_ratios"]) == 3  # waves of 2, 2 and 1 requests
     assert all(r > 0 for r in result["inflight_wave_ratios"])
     assert result["submit_p50_us"] > 0 and result["notify_p50_us"] is not None
+    # each phase: the one peer's writing time, a fraction of the waves' time (the engine's write calls only)
+    for phase in ("sequential", "inflight"):
+        ((name, fraction),) = result["busy_fractions"][phase].items()
+        assert name.startswith("peer ") and 0 < fraction <= 1, result["busy_fractions"]
 
 
 @pytest.mark.parametrize(

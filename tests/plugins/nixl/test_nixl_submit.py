@@ -14,6 +14,7 @@ from freezing import freeze
 
 import kvwire
 from kvwire import BackendConfig
+from kvwire.submit.busy import busy_fractions
 from kvwire.testing.harness import ContractHarness
 from kvwire.testing.receiver import LayoutSpec
 from kvwire.workload.fragment import fragmented_pages
@@ -85,9 +86,16 @@ def test_writes_of_several_chunks_queued_together_land_whole_and_a_done_callback
             pair.connection.send_notification(pair.receiver.endpoint, b"from-a-callback")
             again.append(pair.submit(*requests[0]))
 
+        transport = pair.connection.backend.transport
+        busy_before, start = transport.busy.snapshot(), time.perf_counter()
         futures = [pair.submit(p, d, m) for (p, d), m in zip(requests, messages, strict=True)]
         futures[0].add_done_callback(call_back)
         assert [f.result(timeout=60) for f in futures] == [320 * 65536 * 8] * 3
+        elapsed = time.perf_counter() - start
+        # every stream posted chunks (each busy for a while, never longer than the writes took)
+        fractions = busy_fractions(busy_before, transport.busy.snapshot(), elapsed)
+        assert set(fractions) == {f"stream {i}" for i in range(transport.agent.streams)}, fractions
+        assert all(0 < f <= 1 for f in fractions.values()), fractions
         arrivals = pair.receiver.collect(4, 30.0)
         seen = {message: digest for _, message, digest in arrivals}
         assert set(seen) == {*messages, b"from-a-callback"}

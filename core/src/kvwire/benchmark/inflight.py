@@ -20,6 +20,12 @@ notification was seen on the decode side relative to its transfer's
 completion on the prefill side (both ``time.monotonic``, one host's clock:
 the local decode child only). Mooncake sends the notification inside the
 write's own job, before the future completes, so its figure can be negative.
+
+Whether requests in flight really overlap: when the backend's transport keeps
+a :class:`~kvwire.submit.BusyClock` (kvwire-nixl: each posting stream;
+kvwire-mooncake: each peer's writes), its snapshot is taken around every wave,
+and each worker's busy time over the phase's wave time is reported per phase.
+More in flight should leave the workers less idle between requests.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from kvwire.benchmark.results import summary
 from kvwire.benchmark.session import BenchSession
 from kvwire.errors import ConfigError
 from kvwire.planning.planner import plan_transfer
+from kvwire.submit.busy import BusyClock
 from kvwire.workload.fragment import place, run_lengths
 
 __all__ = ["check_inflight", "inflight_rows", "latency_note", "measure_inflight", "slot_pages"]
@@ -77,6 +84,11 @@ class _Tally:
     descriptors: list[int] = field(default_factory=lambda: [0, 0])
     rates: list[float] = field(default_factory=list)  # bytes per second of each wave
     requests: list[tuple[int, float]] = field(default_factory=list)  # per request: bytes, call to completion (s)
+    busy: dict[str, float] = field(default_factory=dict)  # per transport worker: busy seconds within the waves
+
+    def add_busy(self, before: dict[str, float], after: dict[str, float]) -> None:
+        for name, total in after.items():
+            self.busy[name] = self.busy.get(name, 0.0) + total - before.get(name, 0.0)
 
     def add(self, moved: int, seconds: float) -> None:
         self.bytes += moved
@@ -115,6 +127,7 @@ def measure_inflight(session: BenchSession, progress: Callable[[str], None]) -> 
     conn.send_kvcache(session.endpoint, one, ptrs, one)  # warm-up: handshake
     session.decode.request({"cmd": "watch"})
     local_clock = args.peer is None
+    busy_clock: BusyClock | None = getattr(getattr(conn.backend, "transport", None), "busy", None)
     count = 0
 
     def new_request(slot: int) -> _Request:
@@ -141,6 +154,7 @@ def measure_inflight(session: BenchSession, progress: Callable[[str], None]) -> 
             done_at: dict[int, float] = {}
             called_at: dict[int, float] = {}
             moved_by: dict[int, int] = {}
+            busy_before = busy_clock.snapshot() if busy_clock is not None else {}
             start = time.perf_counter()
             if phase == "sequential":
                 for r in wave:
@@ -161,6 +175,8 @@ def measure_inflight(session: BenchSession, progress: Callable[[str], None]) -> 
                 wait(futures)
                 t.add(sum(f.result() for f in futures), time.perf_counter() - start)
                 moved_by.update((r.index, f.result()) for r, f in zip(wave, futures))
+            if busy_clock is not None:
+                t.add_busy(busy_before, busy_clock.snapshot())
             for r in wave:
                 answer = session.decode.request(
                     {"cmd": "confirm", "note": r.note.hex(), "digest": r.digest, **r.pages()}
@@ -222,6 +238,10 @@ def _result(args: argparse.Namespace, phases: dict[str, _Tally]) -> dict[str, An
         sequential_notify_p50_us=_pct(seq.after_done, 50, 1e6),
         sequential_notify_p99_us=_pct(seq.after_done, 99, 1e6),
     )
+    result["busy_fractions"] = {
+        phase: {name: round(t.busy[name] / t.seconds, 4) for name in sorted(t.busy)} if t.seconds else {}
+        for phase, t in (("sequential", seq), ("inflight", inf))
+    }
     result["_series"] = {"1 in flight": seq.requests, f"{args.inflight_requests} in flight": inf.requests}
     return result
 
@@ -266,4 +286,20 @@ def inflight_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
             "  sequential",
             f"{us('sequential_notify_p50_us')} / {us('sequential_notify_p99_us')} after send_kvcache returned",
         ),
+        *_busy_rows(r),
+    ]
+
+
+def _busy_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """Each transport worker's busy fraction per phase (none when the transport keeps no BusyClock)."""
+    fractions = r.get("busy_fractions") or {}
+    if not any(fractions.values()):
+        return [("workers busy", "n/a (the transport keeps no kvwire.submit.BusyClock)")]
+
+    def line(phase: str) -> str:
+        return ", ".join(f"{name[:40]} {f:.1%}" for name, f in fractions.get(phase, {}).items()) or "none"
+
+    return [
+        ("workers busy", f"{line('inflight')}   ({r['inflight_requests']} in flight; of the waves' time)"),
+        ("  sequential", line("sequential")),
     ]

@@ -6,8 +6,18 @@ use them), and the bounded inbox every transport keeps unpolled notifications in
 from here, ``from kvwire.submit import run_into``.
 """
 
+from kvwire.submit.busy import BusyClock
 from kvwire.submit.futures import fail_unstarted, queued_behind, run_into, start
 from kvwire.submit.inbox import Inbox, PollRecord
 from kvwire.submit.notifications import MAX_UNPOLLED_NOTIFICATIONS
 
-__all__ = ["MAX_UNPOLLED_NOTIFICATIONS", "Inbox", "PollRecord", "fail_unstarted", "queued_behind", "run_into", "start"]
+__all__ = [
+    "MAX_UNPOLLED_NOTIFICATIONS",
+    "BusyClock",
+    "Inbox",
+    "PollRecord",
+    "fail_unstarted",
+    "queued_behind",
+    "run_into",
+    "start",
+]

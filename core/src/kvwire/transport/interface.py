@@ -17,6 +17,7 @@ from typing import Protocol, runtime_checkable
 from kvwire.errors import UnsupportedFeatureError
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.planning.plan import TransferPlan
+from kvwire.submit.busy import BusyClock
 from kvwire.submit.notifications import Notification
 
 __all__ = ["RawWriter", "Transport"]
@@ -38,10 +39,14 @@ class Transport(ABC):
     ``staging_max_item`` (default None: no limit): slices of this many bytes or
     more are written as planned, where the engine's cost per descriptor is already
     small next to the gather's extra copy.
+    ``busy`` (default None): a :class:`kvwire.submit.BusyClock` the transport's
+    workers (its posting streams, its per-peer queues) count their writing time
+    in, so that a bench can show whether requests in flight keep them busy.
     """
 
     staged_writes: bool = False
     staging_max_item: int | None = None
+    busy: BusyClock | None = None
 
     @property
     @abstractmethod

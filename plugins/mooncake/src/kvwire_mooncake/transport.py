@@ -26,6 +26,7 @@ class MooncakeTransport(Transport):
 
     def __init__(self, config: BackendConfig, *, engine_factory: Callable[[], Any] | None = None) -> None:
         self.engine = MooncakeEngine(config, engine_factory=engine_factory)
+        self.busy = self.engine.busy
 
     @property
     def endpoint(self) -> str:

@@ -40,7 +40,7 @@ from typing import Any, Final, TypeVar
 import numpy as np
 
 import kvwire
-from kvwire.submit import Inbox
+from kvwire.submit import BusyClock, Inbox
 from kvwire_nixl.errors import translate
 from kvwire_nixl.locate import import_nixl
 from kvwire_nixl.memory import Segment
@@ -141,6 +141,8 @@ class NixlAgent:
         self.quiet = Quiet(not config.verbose)
         self.name = agent_name()
         self.streams = options.streams
+        #: each stream's posting time ("stream 0", ...): prepare and post, which over ``cma`` is the copy itself
+        self.busy = BusyClock()
         sync = api.nixl_thread_sync_t
         nixl_config = api.nixl_agent_config(
             enable_prog_thread=options.progress == "nixl",
@@ -208,18 +210,27 @@ class NixlAgent:
         return self._state.lock
 
     def on_stream(self, index: int, fn: Callable[[], _T]) -> Future[_T]:
-        """Start ``fn`` on stream thread ``index`` (with one stream: run here); only while holding :attr:`lock`."""
+        """Start ``fn`` on stream thread ``index`` (with one stream: run here); only while holding :attr:`lock`.
+
+        Its running time counts as busy time of ``"stream {index}"`` in :attr:`busy`.
+        """
+        clock, name = self.busy, f"stream {index}"
+
+        def timed() -> _T:
+            with clock.busy(name):
+                return fn()
+
         if self.streams == 1:
             future: Future[_T] = Future()
             try:
-                future.set_result(fn())
+                future.set_result(timed())
             except BaseException as exc:  # handed to the caller, as from a stream
                 future.set_exception(exc)
             return future
         streams = self._state.streams
         if index >= len(streams):
             raise kvwire.TransferError(f"no NIXL stream thread {index} (of {len(streams)}; agent closed?)")
-        return streams[index].submit(fn)
+        return streams[index].submit(timed)
 
     def raw(self) -> Any:
         """The ``nixl_agent`` itself; only while holding :attr:`lock`."""

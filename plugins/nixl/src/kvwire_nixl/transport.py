@@ -47,6 +47,7 @@ class NixlTransport(kvwire.Transport):
         self.config = config
         self.options = NixlOptions.from_config(config)
         self.agent = NixlAgent(config, self.options)
+        self.busy = self.agent.busy
         self.regions = kvwire.RegionSet()
         self._lock = threading.Lock()
         self._local: dict[int, Region] = {}

@@ -25,6 +25,7 @@ from numpy.typing import NDArray
 from kvwire import RegionSet
 from kvwire.config import BackendConfig
 from kvwire.errors import InvalidTransferError, PeerUnreachableError, TransferError
+from kvwire.submit import BusyClock
 from kvwire_mooncake.engine import failures, notify
 from kvwire_mooncake.engine.arrays import INT64_MAX, as_addresses, require_positive
 from kvwire_mooncake.engine.binding import (
@@ -104,6 +105,8 @@ class MooncakeEngine:
         self._endpoint = p2p_endpoint(config.host, port) if self._p2p else config.host
         self._workers = Workers(f"kvwire-mooncake-{port}")
         self._queues = PeerQueues(self._workers)
+        #: each peer's writing time ("peer <session id>"): the engine's calls for every write to it
+        self.busy = BusyClock()
         self._dispatch = Dispatcher(
             self._cond,
             self._slots,
@@ -354,7 +357,11 @@ class MooncakeEngine:
         lists: Lists = (s.tolist(), d.tolist(), n.tolist())  # pybind11 converts lists ~3x faster than arrays
         peer = self._dispatch.peer(session_id)
 
-        failed, unsent = self._dispatch.run(session_id, peer, bounds, nbytes, lists)
+        start = time.perf_counter()
+        try:
+            failed, unsent = self._dispatch.run(session_id, peer, bounds, nbytes, lists)
+        finally:
+            self.busy.add(f"peer {session_id}", time.perf_counter() - start)
         if not failed:
             return
         error, renew = self._classify(session_id, failed, nbytes, allow_renew=True)
