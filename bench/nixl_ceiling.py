@@ -38,6 +38,8 @@ kvwire-nixl about a quarter of its throughput here.
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import ctypes
 import itertools
 import json
@@ -108,7 +110,11 @@ class _Cma:
         command = [sys.executable, "-c", _CMA_CHILD, args.preset, str(pool_pages), args.backing, str(args.seed + 1)]
         self.child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.child.stdout is not None
-        child_bases = json.loads(self.child.stdout.readline())
+        line = self.child.stdout.readline()
+        if not line:
+            self.close()
+            raise SystemExit(f"the cma child exited before it held its pool (exit {self.child.returncode})")
+        child_bases = json.loads(line)
         here = [b.base for b in dst.layout.buffers]
         order = np.argsort(here)
         self.here = np.array(here, dtype=np.int64)[order]  # dst's bases, sorted
@@ -152,9 +158,15 @@ class _Cma:
         return self.child.stdout.readline().strip()
 
     def close(self) -> None:
+        """End the child: EOF on its stdin, then kill it if it has not exited within 30 s."""
         assert self.child.stdin is not None
-        self.child.stdin.close()
-        self.child.wait(timeout=30)
+        with contextlib.suppress(OSError):
+            self.child.stdin.close()
+        try:
+            self.child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.child.kill()
+            self.child.wait()
 
 
 def _nixl_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -217,6 +229,8 @@ def main() -> int:
     fragmented, contiguous, parallel, nixl, ratios, cma_passes = [], [], [], [], [], []
     pool = ThreadPoolExecutor(max(1, args.threads))
     cma = _Cma(args, dst, pool_pages) if args.with_cma else None
+    if cma is not None:
+        atexit.register(cma.close)  # also on an error's SystemExit; closing twice is harmless
     cma_iovecs = [cma.iovecs(plan) for plan in plans] if cma is not None else []
     rounds = args.rounds if args.with_nixl else 1
     bench: dict[str, Any] = {}

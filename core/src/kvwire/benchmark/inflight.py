@@ -88,7 +88,7 @@ class _Tally:
 
     def add_busy(self, before: dict[str, float], after: dict[str, float]) -> None:
         for name, total in after.items():
-            self.busy[name] = self.busy.get(name, 0.0) + total - before.get(name, 0.0)
+            self.busy[name] = self.busy.get(name, 0.0) + max(0.0, total - before.get(name, 0.0))
 
     def add(self, moved: int, seconds: float) -> None:
         self.bytes += moved
@@ -189,7 +189,9 @@ def measure_inflight(session: BenchSession, progress: Callable[[str], None]) -> 
                 progress("verified" if t.verified and t.guards else "MISMATCH")
             # after the confirms: a future's done-callback may run just after wait() returned
             t.requests += [(moved_by[i], done_at[i] - called_at[i]) for i in (r.index for r in wave) if i in done_at]
-    return _result(args, tally)
+    result = _result(args, tally)
+    result["busy_clock"] = busy_clock is not None
+    return result
 
 
 def _stamp(done_at: dict[int, float], index: int) -> Callable[[Future[int]], None]:
@@ -293,7 +295,7 @@ def inflight_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
 def _busy_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
     """Each transport worker's busy fraction per phase (none when the transport keeps no BusyClock)."""
     fractions = r.get("busy_fractions") or {}
-    if not any(fractions.values()):
+    if not r.get("busy_clock"):
         return [("workers busy", "n/a (the transport keeps no kvwire.submit.BusyClock)")]
 
     def line(phase: str) -> str:

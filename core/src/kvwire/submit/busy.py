@@ -8,60 +8,87 @@ clock sets :attr:`kvwire.Transport.busy` to it and wraps each worker's write
 in :meth:`BusyClock.busy`; ``kvwire bench --inflight-requests`` samples it
 around every wave of both phases and prints each worker's busy fraction.
 
-The table is bounded (:data:`MAX_NAMES`, the longest idle name dropped first)
-so that a server that met many peers holds a few kilobytes, not one entry per
-peer ever seen.
+A name is busy while at least one ``busy(name)`` block runs: overlapping
+blocks of one name (two threads writing to one peer) count their union once,
+so a name's busy time never exceeds the wall time. The table is bounded
+(:data:`MAX_NAMES`, the longest idle name dropped first) so that a server that
+met many peers holds a few kilobytes, not one entry per peer ever seen.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Final
 
 __all__ = ["MAX_NAMES", "BusyClock", "busy_fractions"]
 
-#: Most names a clock keeps; a new name beyond it drops the one busy longest ago.
+#: Most names a clock keeps; a new name beyond it drops the one idle longest (never a busy one).
 MAX_NAMES: Final = 256
 
 
-class BusyClock:
-    """Cumulative busy seconds per worker name (monotonic clock); thread-safe."""
+@dataclass
+class _Entry:
+    total: float = 0.0  # busy seconds of the stretches that ended
+    running: int = 0  # busy(name) blocks running now
+    since: float = 0.0  # when the current stretch began (running > 0)
 
-    def __init__(self, max_names: int = MAX_NAMES) -> None:
+
+class BusyClock:
+    """Busy seconds per worker name, overlapping blocks of a name counted once; thread-safe.
+
+    ``clock`` is the time source in seconds (default :func:`time.perf_counter`).
+    """
+
+    def __init__(self, max_names: int = MAX_NAMES, clock: Callable[[], float] = time.perf_counter) -> None:
         if max_names < 1:
             raise ValueError(f"max_names must be >= 1, got {max_names}")
         self._max = max_names
+        self._clock = clock
         self._lock = threading.Lock()
-        self._seconds: dict[str, float] = {}  # insertion order = least recently busy first
+        self._entries: dict[str, _Entry] = {}  # insertion order = least recently busy first
 
     @contextmanager
     def busy(self, name: str) -> Iterator[None]:
-        """Count the time the ``with`` block takes as busy time of ``name`` (also when it raises)."""
-        start = time.perf_counter()
+        """``name`` is busy while the ``with`` block runs (also when it raises)."""
+        with self._lock:
+            entry = self._entries.pop(name, None) or _Entry()
+            if not entry.running:
+                entry.since = self._clock()
+            entry.running += 1
+            self._evict()
+            self._entries[name] = entry  # now the most recently busy
         try:
             yield
         finally:
-            self.add(name, time.perf_counter() - start)
+            with self._lock:
+                entry.running -= 1
+                if not entry.running:
+                    entry.total += self._clock() - entry.since
 
-    def add(self, name: str, seconds: float) -> None:
-        """Add ``seconds`` to ``name``'s busy time; ``name`` becomes the most recently busy."""
-        with self._lock:
-            total = self._seconds.pop(name, 0.0) + seconds
-            while len(self._seconds) >= self._max:
-                del self._seconds[next(iter(self._seconds))]
-            self._seconds[name] = total
+    def _evict(self) -> None:
+        """Drop idle names, longest idle first, until one more fits (busy names are never dropped)."""
+        while len(self._entries) >= self._max:
+            idle = next((name for name, e in self._entries.items() if not e.running), None)
+            if idle is None:
+                return
+            del self._entries[idle]
 
     def snapshot(self) -> dict[str, float]:
-        """Busy seconds per name so far (a copy)."""
+        """Busy seconds per name so far, a stretch still running counted up to now (a copy)."""
         with self._lock:
-            return dict(self._seconds)
+            now = self._clock()
+            return {name: e.total + (now - e.since if e.running else 0.0) for name, e in self._entries.items()}
 
 
 def busy_fractions(before: Mapping[str, float], after: Mapping[str, float], seconds: float) -> dict[str, float]:
-    """Each name's busy time between two snapshots as a fraction of ``seconds`` (the wall time between them)."""
+    """Each name's busy time between two snapshots as a fraction of ``seconds`` (the wall time between them).
+
+    A name the clock dropped and met again in between restarts from 0: its difference is clamped at 0.
+    """
     if seconds <= 0:
         raise ValueError(f"seconds must be > 0, got {seconds}")
-    return {name: (total - before.get(name, 0.0)) / seconds for name, total in sorted(after.items())}
+    return {name: max(0.0, total - before.get(name, 0.0)) / seconds for name, total in sorted(after.items())}

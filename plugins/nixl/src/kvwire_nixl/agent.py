@@ -141,7 +141,8 @@ class NixlAgent:
         self.quiet = Quiet(not config.verbose)
         self.name = agent_name()
         self.streams = options.streams
-        #: each stream's posting time ("stream 0", ...): prepare and post, which over ``cma`` is the copy itself
+        #: each stream's working time ("stream 0", ...): prepare and post, which over ``cma`` is the copy itself
+        #: (a ``raw_write``'s task also waits on the stream for its completion: that time counts too)
         self.busy = BusyClock()
         sync = api.nixl_thread_sync_t
         nixl_config = api.nixl_agent_config(

@@ -105,7 +105,7 @@ class MooncakeEngine:
         self._endpoint = p2p_endpoint(config.host, port) if self._p2p else config.host
         self._workers = Workers(f"kvwire-mooncake-{port}")
         self._queues = PeerQueues(self._workers)
-        #: each peer's writing time ("peer <session id>"): the engine's calls for every write to it
+        #: each peer's writing time ("peer <session id>"): while any write's engine calls to it run
         self.busy = BusyClock()
         self._dispatch = Dispatcher(
             self._cond,
@@ -357,11 +357,8 @@ class MooncakeEngine:
         lists: Lists = (s.tolist(), d.tolist(), n.tolist())  # pybind11 converts lists ~3x faster than arrays
         peer = self._dispatch.peer(session_id)
 
-        start = time.perf_counter()
-        try:
+        with self.busy.busy(f"peer {session_id}"):
             failed, unsent = self._dispatch.run(session_id, peer, bounds, nbytes, lists)
-        finally:
-            self.busy.add(f"peer {session_id}", time.perf_counter() - start)
         if not failed:
             return
         error, renew = self._classify(session_id, failed, nbytes, allow_renew=True)
@@ -382,7 +379,8 @@ class MooncakeEngine:
             raise error
         # Writing the same bytes twice is harmless: retry the failed calls and send the rest.
         retry = sorted([o.chunk for o in failed] + unsent)
-        failed, _ = self._dispatch.run(session_id, peer, retry, nbytes, lists)
+        with self.busy.busy(f"peer {session_id}"):
+            failed, _ = self._dispatch.run(session_id, peer, retry, nbytes, lists)
         if failed:
             raise self._classify(session_id, failed, nbytes, allow_renew=False)[0]
 
