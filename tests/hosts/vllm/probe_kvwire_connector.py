@@ -125,16 +125,21 @@ def request(req_id: str, n: int, params: dict[str, Any]) -> Request:
     )
 
 
-def scheduler(model_dir: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    producer_cfg = config("kv_producer", EXTRA, model_dir)
-    s = Scheduler(
-        vllm_config=producer_cfg,
-        kv_cache_config=kv_cache_config(producer_cfg, 16, 64),
-        structured_output_manager=StructuredOutputManager(producer_cfg),
+def new_scheduler(role: str, model_dir: str) -> Scheduler:
+    """vLLM's own Scheduler with the kvwire connector in ``role`` (16-token blocks, 64 of them)."""
+    cfg = config(role, EXTRA, model_dir)
+    return Scheduler(
+        vllm_config=cfg,
+        kv_cache_config=kv_cache_config(cfg, 16, 64),
+        structured_output_manager=StructuredOutputManager(cfg),
         block_size=16,
         log_stats=False,
     )
+
+
+def scheduler(model_dir: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    s = new_scheduler("kv_producer", model_dir)
     s.add_request(request("p0", 40, {"do_remote_decode": True}))
     sched = s.schedule()
     out["producer_first_meta"] = repr(sched.kv_connector_metadata.step)
@@ -146,14 +151,7 @@ def scheduler(model_dir: str) -> dict[str, Any]:
     sched = s.schedule()
     out["producer_second_meta"] = repr(sched.kv_connector_metadata.step)
 
-    consumer_cfg = config("kv_consumer", EXTRA, model_dir)
-    d = Scheduler(
-        vllm_config=consumer_cfg,
-        kv_cache_config=kv_cache_config(consumer_cfg, 16, 64),
-        structured_output_manager=StructuredOutputManager(consumer_cfg),
-        block_size=16,
-        log_stats=False,
-    )
+    d = new_scheduler("kv_consumer", model_dir)
     d.add_request(request("filler", 20, {}))  # holds blocks 1-2: the decode's ids differ from the prefill's
     d.update_from_output(sched := d.schedule(), one_token(sched))
     d.add_request(request("d0", 40, dict(params)))

@@ -45,7 +45,7 @@ from kvwire.benchmark.results import summary
 from kvwire.benchmark.session import BenchSession
 from kvwire.errors import ConfigError
 from kvwire.planning.planner import plan_transfer
-from kvwire.submit.busy import BusyClock
+from kvwire.submit.busy import BusyClock, busy_between
 from kvwire.workload.fragment import place, run_lengths
 
 __all__ = ["check_inflight", "inflight_rows", "latency_note", "measure_inflight", "slot_pages"]
@@ -87,8 +87,8 @@ class _Tally:
     busy: dict[str, float] = field(default_factory=dict)  # per transport worker: busy seconds within the waves
 
     def add_busy(self, before: dict[str, float], after: dict[str, float]) -> None:
-        for name, total in after.items():
-            self.busy[name] = self.busy.get(name, 0.0) + max(0.0, total - before.get(name, 0.0))
+        for name, seconds in busy_between(before, after).items():
+            self.busy[name] = self.busy.get(name, 0.0) + seconds
 
     def add(self, moved: int, seconds: float) -> None:
         self.bytes += moved

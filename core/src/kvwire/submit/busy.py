@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["MAX_NAMES", "BusyClock", "busy_fractions"]
+__all__ = ["MAX_NAMES", "BusyClock", "busy_between", "busy_fractions"]
 
 #: Most names a clock keeps; a new name beyond it drops the one idle longest (never a busy one).
 MAX_NAMES: Final = 256
@@ -84,11 +84,16 @@ class BusyClock:
             return {name: e.total + (now - e.since if e.running else 0.0) for name, e in self._entries.items()}
 
 
-def busy_fractions(before: Mapping[str, float], after: Mapping[str, float], seconds: float) -> dict[str, float]:
-    """Each name's busy time between two snapshots as a fraction of ``seconds`` (the wall time between them).
+def busy_between(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """Each name's busy seconds between two snapshots, by name.
 
     A name the clock dropped and met again in between restarts from 0: its difference is clamped at 0.
     """
+    return {name: max(0.0, total - before.get(name, 0.0)) for name, total in sorted(after.items())}
+
+
+def busy_fractions(before: Mapping[str, float], after: Mapping[str, float], seconds: float) -> dict[str, float]:
+    """Each name's busy time between two snapshots (:func:`busy_between`) as a fraction of ``seconds``."""
     if seconds <= 0:
         raise ValueError(f"seconds must be > 0, got {seconds}")
-    return {name: max(0.0, total - before.get(name, 0.0)) / seconds for name, total in sorted(after.items())}
+    return {name: busy / seconds for name, busy in busy_between(before, after).items()}

@@ -125,16 +125,12 @@ def allocate(
         if torch is not None and on_device:
             t = torch.empty((num_pages, page_bytes), dtype=torch.uint8, device=device)
             tensors.append(t)
-            ptr = int(t.data_ptr())
             views.append(np.empty(0, np.uint8))
-        elif torch is not None:  # a torch tensor over huge-page memory (frombuffer keeps the mapping alive)
-            a = _hugepage_array(num_pages, page_bytes)
-            t = torch.frombuffer(a, dtype=torch.uint8).reshape(num_pages, page_bytes)
-            tensors.append(t)
             ptr = int(t.data_ptr())
-            views.append(a)
-        else:
+        else:  # host memory: a huge-page mapping, with a torch tensor over it when torch backs the pools
             a = _hugepage_array(num_pages, page_bytes)
+            if torch is not None:  # frombuffer keeps the mapping alive
+                tensors.append(torch.frombuffer(a, dtype=torch.uint8).reshape(num_pages, page_bytes))
             views.append(a)
             ptr = int(a.ctypes.data)
         buffers.append(KVBuffer(ptr, page_bytes, num_pages, layer, role, kind))
