@@ -13,6 +13,7 @@ PUBLIC = [
     "Arrival", "BackendConfig", "BackendDriftError", "BackendError", "BackendImportError", "BackendInfo",
     "BackendLoadError", "BackendProtocol", "BackendSpec", "BackendUnavailableError", "ConfigError", "Connection",
     "DuplicateBackendError", "Finding", "HeadLayout", "InvalidTransferError", "KVBuffer", "KVLayout", "KvwireError",
+    "Landing", "LandingCredits",
     "LayoutError", "Notification", "NotificationWatcher", "PeerDescription", "PeerUnreachableError", "RawWriter",
     "RegionSet", "Registry", "SpecVersion", "StuckCall", "TransferError", "TransferFuture", "TransferPlan",
     "TransferRequest",

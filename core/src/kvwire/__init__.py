@@ -26,6 +26,7 @@ from kvwire.errors import (
     TransferTimeoutError,
     UnsupportedFeatureError,
 )
+from kvwire.landing import Landing, LandingCredits
 from kvwire.layout.buffers import HeadLayout, KVBuffer, LayoutError
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.layout.peer import PeerDescription
@@ -77,6 +78,8 @@ __all__ = [
     "KVBuffer",
     "KVLayout",
     "KvwireError",
+    "Landing",
+    "LandingCredits",
     "LayoutError",
     "Notification",
     "NotificationWatcher",

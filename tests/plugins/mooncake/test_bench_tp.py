@@ -50,6 +50,19 @@ def test_every_decode_rank_verified_with_the_same_tp_baseline(
     assert r["decode"] == "local children"
 
 
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (4, 2)])
+def test_landing_pages_scattered_by_each_decode_rank_are_verified(prefill_tp: int, decode_tp: int) -> None:
+    """Real engines write whole pages into the decode ranks' landing pools; each scatters them into its KV pages."""
+    r = _json("--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp), "--compare-same-tp", "--landing")
+    assert (r["verified"], r["guards_unchanged"], r["landing"]) == (True, True, True)
+    assert r["bytes"] == r["same_tp_bytes"] == QWEN_BYTES
+    # whole pages, coalesced like the same-TP baseline's (which moves them from one rank), on each rank pair
+    pairs = prefill_tp
+    assert r["rank_pairs"] == pairs
+    assert r["descriptors_before"] == pairs * 32 * 56
+    assert r["descriptors_after"] == pairs * r["same_tp_descriptors"]
+
+
 def test_single_rank_json_records_tp_one() -> None:
     r = _json()
     assert (r["verified"], r["guards_unchanged"], r["bytes"]) == (True, True, QWEN_BYTES)
@@ -78,6 +91,17 @@ def test_single_rank_json_records_tp_one() -> None:
             "--compare-same-tp is for different TP sizes: give --prefill-tp or --decode-tp other than 1",
         ),
         (["--head-major"], "--head-major is for different TP sizes: give --prefill-tp or --decode-tp other than 1"),
+        (["--landing"], "--landing is for different TP sizes: give --prefill-tp or --decode-tp other than 1"),
+        (
+            ["--prefill-tp", "1", "--decode-tp", "2", "--landing"],
+            "--landing is for token-major pages with prefill TP > decode TP (got --prefill-tp 1 --decode-tp 2): "
+            "otherwise every decode page has one sender or its heads are one run already",
+        ),
+        (
+            ["--prefill-tp", "2", "--decode-tp", "1", "--landing", "--head-major"],
+            "--landing is for token-major pages with prefill TP > decode TP (got --prefill-tp 2 --decode-tp 1 "
+            "--head-major): otherwise every decode page has one sender or its heads are one run already",
+        ),
     ],
 )
 def test_a_bad_combination_is_one_line(args: list[str], message: str) -> None:

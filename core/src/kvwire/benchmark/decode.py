@@ -13,10 +13,15 @@ that the guard pages did not change, so a write that fell short or overran is
 caught. A ``key`` keeps the guards of several requests in flight apart.
 ``watch`` starts polling arrival notifications in a thread (noting when each
 was seen); ``confirm`` waits for one request's notification, then verifies it.
+``landing``: ``[prefill TP, pages]`` adds a :class:`kvwire.landing.Landing`
+pool on a second connection (its description under ``"landing"``):
+``reserve`` hands out landing pages for each sender, ``scatter`` copies one
+sender's landing pages into the KV pages and releases them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from collections.abc import Callable
@@ -29,6 +34,7 @@ from kvwire.benchmark.presets import get_preset
 from kvwire.config import BackendConfig
 from kvwire.connection import Connection
 from kvwire.control import accept_one, check_listen_key, parse_address, read_command, reply, serve
+from kvwire.landing import Landing
 from kvwire.layout.buffers import MemoryKind
 from kvwire.layout.peer import PeerDescription
 from kvwire.registry.manager import connect
@@ -56,9 +62,10 @@ def guard_pages(pages: NDArray[np.int64], num_pages: int) -> NDArray[np.int64]:
 class DecodeSide:
     """The decode side's memory and the scramble/verify/watch/confirm commands."""
 
-    def __init__(self, memory: KVMemory, conn: Connection | None = None) -> None:
+    def __init__(self, memory: KVMemory, conn: Connection | None = None, landing: Landing | None = None) -> None:
         self.memory = memory
         self.conn = conn
+        self.landing = landing
         self.fill = 0
         self.guards: dict[str, list[str]] = {}
         self._watcher: NotificationWatcher | None = None
@@ -80,6 +87,30 @@ class DecodeSide:
         recorded = self.guards.get(str(message.get("key", "")))
         return {"ok": ok, "guards_ok": not recorded or guards == recorded}
 
+    def reserve(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Landing pages for each of this rank's senders: ``{"pages": {sender: [ids]}}`` (``count`` each)."""
+        landing = self._landing()
+        pages = {}
+        for p in landing.senders:
+            got = landing.reserve(int(message["count"]))
+            if got is None:
+                raise RuntimeError(f"too few free landing pages ({landing.credits.free}) for {message['count']}")
+            pages[str(p)] = got.tolist()
+        return {"ok": True, "pages": pages}
+
+    def scatter(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Scatter one sender's landing pages into ``host_pages``, then release them."""
+        landing = self._landing()
+        land = np.asarray(message["landing_pages"], np.int64)
+        landing.scatter(int(message["sender"]), land, np.asarray(message["host_pages"], np.int64))
+        landing.release(land)
+        return {"ok": True}
+
+    def _landing(self) -> Landing:
+        if self.landing is None:
+            raise RuntimeError("this decode side has no landing pool (start it with 'landing')")
+        return self.landing
+
     def watch(self, message: dict[str, Any]) -> dict[str, Any]:
         if self.conn is None:
             raise RuntimeError("no connection to watch")
@@ -99,6 +130,8 @@ class DecodeSide:
     def stop(self) -> None:
         if self._watcher is not None:
             self._watcher.stop()
+        if self.landing is not None:
+            self.landing.close()
 
 
 def _start(args: dict[str, Any], host: str | None = None) -> tuple[Connection, KVMemory]:
@@ -120,6 +153,22 @@ def _start(args: dict[str, Any], host: str | None = None) -> tuple[Connection, K
     return conn, memory
 
 
+def _start_landing(
+    args: dict[str, Any], memory: KVMemory, host: str | None
+) -> tuple[Connection, Landing] | tuple[None, None]:
+    """``landing``: ``[prefill TP, pages]``: a landing pool for this rank's senders, on a connection of its own."""
+    spec = args.get("landing")
+    if not spec:
+        return None, None
+    landing = Landing(memory.layout, int(spec[0]), int(spec[1]))
+    settings = dict(args.get("config", {}))
+    if host is not None:
+        settings["host"] = host
+    conn = connect(args["backend"], BackendConfig.from_dict(settings))
+    conn.register_kv_buffers(landing.layout)
+    return conn, landing
+
+
 def _session(
     args: dict[str, Any],
     stdin: IO[bytes] | None,
@@ -131,15 +180,26 @@ def _session(
         step(f"allocating and registering {args.get('pages')} pages ({args.get('backend')}, {args.get('preset')})")
     try:
         conn, memory = _start(args, host)
+        landing_conn, landing = _start_landing(args, memory, host)
     except Exception as exc:
         reply({"error": f"{type(exc).__name__}: {exc}"}, stdout)
         return 1
-    reply(PeerDescription(conn.endpoint(), memory.layout).to_dict(), stdout)
+    described = PeerDescription(conn.endpoint(), memory.layout).to_dict()
+    if landing_conn is not None and landing is not None:
+        described["landing"] = PeerDescription(landing_conn.endpoint(), landing.layout).to_dict()
+    reply(described, stdout)
     if step is not None:
         step(f"serving the prefill side ({memory.backing} pools, endpoint {conn.endpoint()})")
-    side = DecodeSide(memory, conn)
-    handlers = {"scramble": side.scramble, "verify": side.verify, "watch": side.watch, "confirm": side.confirm}
-    with conn:
+    side = DecodeSide(memory, conn, landing)
+    handlers = {
+        "scramble": side.scramble,
+        "verify": side.verify,
+        "watch": side.watch,
+        "confirm": side.confirm,
+        "reserve": side.reserve,
+        "scatter": side.scatter,
+    }
+    with conn, landing_conn if landing_conn is not None else contextlib.nullcontext():
         try:
             serve(handlers, stdin=stdin, stdout=stdout)
         finally:

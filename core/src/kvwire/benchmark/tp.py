@@ -8,7 +8,11 @@ each decode rank it is routed to (sglang's and vLLM's routing), one send after
 another, timed as one request. Each decode rank then checks its target pages
 against a digest this side computes independently from the prefill pools (the
 decode rank's heads gathered per token, from the sender that holds them), and
-its guard pages. ``--compare-same-tp`` sends the same pages, whole, from a
+its guard pages. With ``--landing`` (prefill TP > decode TP, token-major) each
+prefill rank writes its pages whole into landing pages its decode rank reserved
+(:mod:`kvwire.landing`), and the decode rank scatters them into its KV pages:
+sender ``p``'s scatter runs while sender ``p + 1`` writes, and the request is
+timed until the last scatter is done. ``--compare-same-tp`` sends the same pages, whole, from a
 1-rank prefill pool to an extra 1-rank decode child, interleaved per request.
 """
 
@@ -68,6 +72,12 @@ def add_tp_arguments(parser: argparse.ArgumentParser) -> None:
         help="head-major pages on every rank (vLLM's HND): a rank's heads are one run of each page, so head "
         "slices move one descriptor per page (TP sizes other than 1)",
     )
+    parser.add_argument(
+        "--landing",
+        action="store_true",
+        help="prefill TP > decode TP, token-major: each prefill rank writes whole pages into landing pages of "
+        "its decode rank, which scatters them into its KV pages (kvwire.landing); the scatter is timed",
+    )
 
 
 def uses_tp(args: argparse.Namespace) -> bool:
@@ -79,7 +89,11 @@ def check_tp_arguments(args: argparse.Namespace) -> None:
     """ConfigError for a TP combination the bench cannot run."""
     p, d = args.prefill_tp, args.decode_tp
     if not uses_tp(args):
-        for flag, on in (("--compare-same-tp", args.compare_same_tp), ("--head-major", args.head_major)):
+        for flag, on in (
+            ("--compare-same-tp", args.compare_same_tp),
+            ("--head-major", args.head_major),
+            ("--landing", args.landing),
+        ):
             if on:
                 raise ConfigError(f"{flag} is for different TP sizes: give --prefill-tp or --decode-tp other than 1")
         return
@@ -91,6 +105,12 @@ def check_tp_arguments(args: argparse.Namespace) -> None:
             preset.check_tp(tp, flag)
     if max(p, d) % min(p, d):
         raise ConfigError(f"--prefill-tp {p} and --decode-tp {d}: the larger TP size must be a multiple of the smaller")
+    if args.landing and (p <= d or args.head_major):
+        raise ConfigError(
+            f"--landing is for token-major pages with prefill TP > decode TP (got --prefill-tp {p} --decode-tp {d}"
+            f"{' --head-major' if args.head_major else ''}): otherwise every decode page has one sender "
+            "or its heads are one run already"
+        )
     if args.peer:
         raise ConfigError("--peer: a remote decode side is one rank; use --prefill-tp 1 --decode-tp 1 with --peer")
     wanted = [
@@ -148,6 +168,8 @@ class _Decode:
 
     channel: ChildProcess
     peer: PeerDescription
+    rank: int
+    landing: PeerDescription | None = None  # its landing pool (--landing)
 
     @property
     def ptrs(self) -> list[int]:
@@ -158,20 +180,36 @@ class _Decode:
 class _Prefill:
     conn: Connection
     pool: KVMemory
+    rank: int
 
 
-def _decode_children(stack: ExitStack, args: dict[str, Any], ranks: Sequence[tuple[int, int]]) -> list[_Decode]:
-    """Start one decode child per (TP size, rank), all at once, then read their descriptions."""
+def _decode_children(
+    stack: ExitStack,
+    args: dict[str, Any],
+    ranks: Sequence[tuple[int, int]],
+    landing: list[int] | None = None,
+    tp_ranks: int = 0,
+) -> list[_Decode]:
+    """Start one decode child per (TP size, rank), all at once, then read their descriptions.
+
+    ``landing`` (``[prefill TP, pages]``) goes to the first ``tp_ranks`` children (the TP group's).
+    """
     channels = []
-    for tp, rank in ranks:
+    for i, (tp, rank) in enumerate(ranks):
+        extra = {"landing": landing} if landing is not None and i < tp_ranks else {}
         child = ChildProcess(
             "kvwire.benchmark.decode",
-            [json.dumps({**args, "tp": [tp, rank], "seed": args["seed"] + tp * 100 + rank})],
+            [json.dumps({**args, **extra, "tp": [tp, rank], "seed": args["seed"] + tp * 100 + rank})],
             what=f"decode process (TP {tp} rank {rank})",
         )
         stack.callback(child.close)
         channels.append(child)
-    return [_Decode(c, PeerDescription.from_dict(c.read())) for c in channels]
+    decodes = []
+    for c, (_, rank) in zip(channels, ranks):
+        described = c.read()
+        pool = described.pop("landing", None)
+        decodes.append(_Decode(c, PeerDescription.from_dict(described), rank, pool and PeerDescription.from_dict(pool)))
+    return decodes
 
 
 def _prefill_rank(
@@ -183,7 +221,7 @@ def _prefill_rank(
     pool.fill_random(args.seed + 1000 + tp * 100 + rank)
     conn = stack.enter_context(connect(args.backend, config))
     conn.register_kv_buffers(pool.layout)
-    return _Prefill(conn, pool)
+    return _Prefill(conn, pool, rank)
 
 
 def run_tp(
@@ -203,7 +241,10 @@ def run_tp(
             f"starting {len(ranks)} decode processes (TP {d_tp}{extra}); "
             f"waiting for each to allocate and register {pool_pages} pages"
         )
-        children = _decode_children(stack, {**decode_args, "head_major": bool(args.head_major)}, ranks)
+        landing = [p_tp, pages_per_request * (p_tp // d_tp)] if args.landing else None
+        children = _decode_children(
+            stack, {**decode_args, "head_major": bool(args.head_major)}, ranks, landing=landing, tp_ranks=d_tp
+        )
         decodes, same_decode = children[:d_tp], children[d_tp:]
         steps(f"allocating and registering {p_tp} prefill rank pools ({args.backend}, {pool_pages} pages each)")
         prefills = [_prefill_rank(stack, args, config, pool_pages, p_tp, p) for p in range(p_tp)]
@@ -215,8 +256,10 @@ def run_tp(
         one = np.array([0], np.int32)
         steps(f"adding peers and a warm-up transfer on each of {len(pairs) + (same is not None)} rank pairs")
         for prefill, dec in pairs + ([same] if same else []):
-            prefill.conn.add_peer(dec.peer.endpoint, dec.peer.layout)
-            prefill.conn.send_kvcache(dec.peer.endpoint, one, dec.ptrs, one)  # warm-up: handshake
+            target = dec.landing or dec.peer
+            prefill.conn.add_peer(target.endpoint, target.layout)
+            ptrs = [b.base for b in target.layout.buffers]
+            prefill.conn.send_kvcache(target.endpoint, one, ptrs, one)  # warm-up: handshake
         steps(f"sending {args.requests} requests of {args.tokens} tokens (TP {p_tp} -> {d_tp})")
         step = Progress(args.requests, steps).step
         result = _measure(args, pairs, same, decodes, [p.pool for p in prefills], pages_per_request, pool_pages, step)
@@ -226,6 +269,40 @@ def run_tp(
 
 def _send(pairs: Sequence[tuple[_Prefill, _Decode]], src: NDArray[np.int32], dst: NDArray[np.int32]) -> int:
     return sum(p.conn.send_kvcache(d.peer.endpoint, src, d.ptrs, dst) for p, d in pairs)
+
+
+def _reserve(decodes: Sequence[_Decode], count: int) -> dict[int, dict[str, list[int]]]:
+    """Landing pages of each decode rank for each of its senders (``--landing``)."""
+    return {dec.rank: dec.channel.request({"cmd": "reserve", "count": count})["pages"] for dec in decodes}
+
+
+def _send_landing(
+    pairs: Sequence[tuple[_Prefill, _Decode]],
+    src: NDArray[np.int32],
+    dst: NDArray[np.int32],
+    reserved: dict[int, dict[str, list[int]]],
+) -> int:
+    """Each sender writes whole pages into its landing pages; its decode rank scatters them while the next writes.
+
+    A sender without landing pages (a GQA replica another sender covers) sends nothing. Returns once every
+    scatter has answered.
+    """
+    moved = 0
+    scattering: list[_Decode] = []
+    for prefill, dec in pairs:
+        land = reserved[dec.rank].get(str(prefill.rank))
+        if land is None or dec.landing is None:
+            continue
+        target = dec.landing
+        ptrs = [b.base for b in target.layout.buffers]
+        moved += prefill.conn.send_kvcache(target.endpoint, src, ptrs, np.asarray(land, np.int32))
+        dec.channel.send({"cmd": "scatter", "sender": prefill.rank, "landing_pages": land, "host_pages": dst.tolist()})
+        scattering.append(dec)
+    for dec in scattering:
+        answer = dec.channel.read()
+        if answer.get("ok") is not True:
+            raise RuntimeError(f"decode rank {dec.rank}: scatter failed: {answer}")
+    return moved
 
 
 def _measure(
@@ -244,6 +321,7 @@ def _measure(
     same_seconds = 0.0
     ratios: list[float] = []  # per request: TP throughput / same-TP throughput
     tp_label = f"TP {args.prefill_tp} -> {args.decode_tp}" + (", head-major pages" if args.head_major else "")
+    tp_label += ", landing + scatter" if args.landing else ""
     series: Series = {tp_label: []}
     if same is not None:
         series["same TP (1 -> 1)"] = []
@@ -256,7 +334,12 @@ def _measure(
         src64 = src.astype(np.int64)
         pages = {"host_pages": dst.tolist(), "device_pages": None}
         for prefill, dec in pairs:
-            plan = plan_transfer(prefill.pool.layout, dec.peer.layout, src, dec.ptrs, dst)
+            if dec.landing is not None:  # whole pages into landing pages (reserved in one range, as a rule)
+                landed = dec.landing.layout
+                ptrs = [b.base for b in landed.buffers]
+                plan = plan_transfer(prefill.pool.layout, landed, src, ptrs, np.arange(len(src), dtype=np.int32))
+            else:
+                plan = plan_transfer(prefill.pool.layout, dec.peer.layout, src, dec.ptrs, dst)
             before += plan.descriptors_before
             after += len(plan)
         # (decode ranks, expected digests) checked after each mode
@@ -277,8 +360,13 @@ def _measure(
         for name, checks, sends in modes[i % len(modes) :] + modes[: i % len(modes)]:
             for dec, _ in checks:
                 dec.channel.request({"cmd": "scramble", **pages})
-            start = time.perf_counter()
-            moved = _send(sends, src, dst)
+            if name == "tp" and args.landing:  # reserved before the request, as its KV pages are
+                reserved = _reserve(decodes, len(src))
+                start = time.perf_counter()
+                moved = _send_landing(sends, src, dst, reserved)
+            else:
+                start = time.perf_counter()
+                moved = _send(sends, src, dst)
             timings[name] = (moved, time.perf_counter() - start)
             for dec, expected in checks:
                 answer = dec.channel.request({"cmd": "verify", "digest": expected, **pages})
@@ -300,6 +388,7 @@ def _measure(
     )
     result["rank_pairs"] = len(pairs)
     result["head_major"] = bool(args.head_major)
+    result["landing"] = bool(args.landing)
     if same is not None:
         result["same_tp_bytes"] = same_total
         result["same_tp_gbps"] = round(same_total / same_seconds / 1e9, 3) if same_seconds else 0.0
@@ -318,7 +407,8 @@ def tp_rows(r: dict[str, Any]) -> tuple[list[Row], list[Row]]:
             "attention TP",
             f"prefill {r['prefill_tp']} -> decode {r['decode_tp']}, "
             f"{r['rank_pairs']} rank pairs per request (sent one after another, timed together)"
-            + (", head-major pages" if r.get("head_major") else ", token-major pages"),
+            + (", head-major pages" if r.get("head_major") else ", token-major pages")
+            + (", landing pages scattered by the decode rank (timed)" if r.get("landing") else ""),
         )
     ]
     tail = []

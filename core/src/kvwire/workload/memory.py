@@ -12,9 +12,7 @@ huge pages only under ``THP_MEM_ALLOC_ENABLE=1``).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import mmap
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -23,6 +21,7 @@ from numpy.typing import NDArray
 
 from kvwire.errors import ConfigError
 from kvwire.layout.buffers import KVBuffer, MemoryKind, Role
+from kvwire.layout.hugepages import hugepage_array
 from kvwire.layout.kv_layout import KVLayout
 
 __all__ = ["Backing", "BufferEntry", "KVMemory", "allocate", "digest"]
@@ -38,18 +37,6 @@ def _torch_or_none() -> Any:
     except ImportError:
         return None
     return torch
-
-
-def _hugepage_array(num_pages: int, page_bytes: int) -> NDArray[np.uint8]:
-    """A private anonymous mapping advised to use transparent huge pages.
-
-    Private: a shared anonymous mapping is shmem, which gets huge pages only
-    where ``shmem_enabled`` allows (not by default).
-    """
-    region = mmap.mmap(-1, num_pages * page_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):  # no madvise / THP: plain pages are fine
-        region.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(region, np.uint8).reshape(num_pages, page_bytes)
 
 
 class KVMemory:
@@ -128,7 +115,7 @@ def allocate(
             views.append(np.empty(0, np.uint8))
             ptr = int(t.data_ptr())
         else:  # host memory: a huge-page mapping, with a torch tensor over it when torch backs the pools
-            a = _hugepage_array(num_pages, page_bytes)
+            a = hugepage_array(num_pages, page_bytes)
             if torch is not None:  # frombuffer keeps the mapping alive
                 tensors.append(torch.frombuffer(a, dtype=torch.uint8).reshape(num_pages, page_bytes))
             views.append(a)

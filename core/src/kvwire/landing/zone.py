@@ -1,0 +1,226 @@
+"""A decode rank's landing pool: whole pages from each prefill rank land here, then scatter into the KV pages.
+
+When the prefill attention-TP size ``P`` is larger than the decode's ``D``,
+each of a decode rank's ``P / D`` senders holds some of its KV heads, so a
+token-major decode page interleaves bytes from all of them, token by token:
+written directly, that is one descriptor per token, per page, per buffer
+(262,144 of 1 KiB for llama3-8b, 2,048 tokens, TP 2 -> 1), and transports pay
+per descriptor. A :class:`Landing` instead gives each sender pages of its own
+shape: it writes its pages whole (coalesced runs, as between equal TP sizes)
+into landing pages the decode side reserved for it, and the decode side then
+copies each sender's heads into place with one strided numpy copy per buffer
+(:meth:`Landing.scatter`), before it reports the request ready.
+
+The landing layout records no TP fields and no heads, so a sender plans it
+as a same-shape peer: whole pages, page sizes checked. The scatter's offsets
+come from :func:`kvwire.planning.head_slicing.slicing_of`, the planner's own
+head arithmetic (one implementation of which heads a sender supplies and
+where they go). The KV pages must be host memory: the scatter runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvwire.errors import ConfigError, InvalidTransferError
+from kvwire.landing.credits import LandingCredits
+from kvwire.layout.buffers import HeadLayout, KVBuffer, LayoutError
+from kvwire.layout.hugepages import hugepage_array
+from kvwire.layout.kv_layout import KVLayout
+from kvwire.planning.checks import check_range, index_array, raise_repeat
+from kvwire.planning.head_slicing import Slicing, senders, slicing_of
+from kvwire.planning.pairing import peer_name
+
+__all__ = ["Landing"]
+
+_WIDTHS = (8, 4, 2, 1)
+
+
+class Landing:
+    """Landing pages for the ``prefill_tp // D`` senders of decode rank ``final`` (one pool shared by all).
+
+    ``final``: the decode rank's KV layout (MHA, host memory, recording
+    ``attn_tp_size``, ``attn_tp_rank`` and ``heads``). ``pages``: landing
+    pages per buffer (a request's pages times its senders, times the
+    requests landing at once). ``threads``: threads one scatter splits its
+    buffers across (numpy releases the GIL while it copies).
+
+    Use: register :attr:`layout` with a connection of its own and publish it
+    as a peer; per request, :meth:`reserve` pages for each sender and send
+    them with the request's KV page ids; each sender writes its pages there
+    (``send_kvcache`` to the landing peer, ``dst_kv_indices`` = its landing
+    pages); on its arrival, :meth:`scatter` them into the KV pages, then
+    :meth:`release` them.
+    """
+
+    def __init__(self, final: KVLayout, prefill_tp: int, pages: int, *, threads: int = 2) -> None:
+        decode_rank, heads = _check_final(final, prefill_tp)
+        for name, value in (("pages", pages), ("threads", threads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"Landing: {name} must be a positive int, got {value!r}")
+        self.final = final
+        self.prefill_tp = prefill_tp
+        own = HeadLayout(
+            max(1, heads.total_kv_heads // prefill_tp),
+            heads.total_kv_heads,
+            heads.head_dim,
+            heads.elem_bytes,
+            heads.tokens_per_page,
+            heads.head_major,
+        )
+        n = len(final.buffers)
+        self._memory = hugepage_array(n * pages, own.page_bytes).reshape(n, pages, own.page_bytes)
+        base = int(self._memory.ctypes.data)
+        step = pages * own.page_bytes
+        #: The landing pool as a peer layout: register it with a connection; senders write whole pages into it.
+        self.layout = KVLayout(
+            tuple(
+                KVBuffer(base + i * step, own.page_bytes, pages, b.layer, b.role) for i, b in enumerate(final.buffers)
+            )
+        )
+        self.credits = LandingCredits(self.layout)
+        d_tp = final.attn_tp_size
+        assert d_tp is not None  # _check_final
+        self._slicing: dict[int, Slicing] = {}
+        for p in senders(prefill_tp, d_tp, decode_rank):
+            sender = KVLayout(self.layout.buffers, prefill_tp, p, own)
+            s = slicing_of(sender, final)
+            if s is not None and s.sends:
+                self._slicing[p] = s
+        #: The prefill ranks that send into this pool (a GQA replica another sender covers sends nothing).
+        self.senders: tuple[int, ...] = tuple(self._slicing)
+        self._final = [_host_bytes(b) for b in final.buffers]
+        self._threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+
+    def reserve(self, count: int) -> NDArray[np.int64] | None:
+        """``count`` landing pages for one sender of one request, or None when too few are free."""
+        return self.credits.reserve(count)
+
+    def release(self, pages: NDArray[np.integer[Any]]) -> None:
+        """Give back landing pages once scattered."""
+        self.credits.release(pages)
+
+    def scatter(
+        self, sender: int, landing_pages: NDArray[np.integer[Any]], final_pages: NDArray[np.integer[Any]]
+    ) -> None:
+        """Copy prefill rank ``sender``'s heads from ``landing_pages`` into KV pages ``final_pages``.
+
+        ``landing_pages[j]`` holds what the sender sent for ``final_pages[j]``.
+        Every argument is checked (InvalidTransferError naming it) before a byte moves.
+        """
+        s = self._slicing.get(sender) if isinstance(sender, int) and not isinstance(sender, bool) else None
+        if s is None:
+            raise InvalidTransferError(
+                f"sender = {sender!r} does not send into this landing pool: decode rank {self.final.attn_tp_rank} "
+                f"(of {self.final.attn_tp_size}) receives from prefill ranks {list(self.senders)} "
+                f"(of {self.prefill_tp})"
+            )
+        land = self.credits.check_reserved("landing_pages", landing_pages)
+        dst = index_array("final_pages", final_pages).astype(np.int64, copy=False)
+        n = land.shape[0]
+        if dst.shape[0] != n:
+            raise InvalidTransferError(
+                f"final_pages has {dst.shape[0]} entries but landing_pages has {n}: they must be equal"
+            )
+        if n == 0:
+            return
+        limit = min(b.num_pages for b in self.final.buffers)
+        check_range(
+            "final_pages", dst, limit, layout=self.final, ids=range(len(self.final.buffers)), describe=peer_name
+        )
+        if np.unique(dst).shape[0] != n:
+            raise_repeat("final_pages", dst)
+        contiguous = int(land[-1]) - int(land[0]) == n - 1 and bool((np.diff(land) == 1).all())
+        source: slice | NDArray[np.int64] = slice(int(land[0]), int(land[0]) + n) if contiguous else land
+        copy = _Copy(s)
+        jobs = [
+            (copy.view(self._memory[i], s.src_page_bytes), copy.view(f, s.dst_page_bytes))
+            for i, f in enumerate(self._final)
+        ]
+        if self._threads == 1 or len(jobs) == 1:
+            copy.run_all(jobs, source, dst)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="kvwire-landing")
+        k = self._threads
+        for _ in self._pool.map(copy.run_all, [jobs[i::k] for i in range(k)], [source] * k, [dst] * k):
+            pass
+
+    def close(self) -> None:
+        """Stop the scatter threads (the landing memory lives as long as this object)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    def __enter__(self) -> Landing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Copy:
+    """One sender's strided copy: row ``r`` of a page, ``length`` bytes from ``src_off`` to ``dst_off``."""
+
+    def __init__(self, s: Slicing) -> None:
+        self.rows = s.tokens
+        self.src_off, self.dst_off = int(s.src_tokens[0]), int(s.dst_tokens[0])
+        self.length = s.length
+        sizes = (s.length, self.src_off, self.dst_off, s.src_page_bytes // self.rows, s.dst_page_bytes // self.rows)
+        self.width = next(w for w in _WIDTHS if all(v % w == 0 for v in sizes))
+
+    def view(self, pages: NDArray[np.uint8], page_bytes: int) -> NDArray[Any]:
+        """``pages`` (pages x page_bytes bytes) as (pages, rows, row) items of ``width`` bytes."""
+        count = pages.size // page_bytes
+        return pages.reshape(-1).view(f"u{self.width}").reshape(count, self.rows, -1)
+
+    def run(
+        self, src: NDArray[Any], out: NDArray[Any], source: slice | NDArray[np.int64], dst: NDArray[np.int64]
+    ) -> None:
+        w = self.width
+        a, b = self.src_off // w, (self.src_off + self.length) // w
+        c, d = self.dst_off // w, (self.dst_off + self.length) // w
+        out[dst, :, c:d] = src[source, :, a:b]
+
+    def run_all(
+        self, jobs: list[tuple[NDArray[Any], NDArray[Any]]], source: slice | NDArray[np.int64], dst: NDArray[np.int64]
+    ) -> None:
+        for src, out in jobs:
+            self.run(src, out, source, dst)
+
+
+def _check_final(final: KVLayout, prefill_tp: int) -> tuple[int, HeadLayout]:
+    """The decode rank and its heads; ConfigError/LayoutError naming what does not fit a landing pool."""
+    if not isinstance(final, KVLayout):
+        raise ConfigError(f"Landing: final must be a kvwire.KVLayout, got {type(final).__name__}")
+    d_tp, rank, heads = final.attn_tp_size, final.attn_tp_rank, final.heads
+    if d_tp is None or rank is None or heads is None:
+        raise ConfigError(
+            "Landing: final must record attn_tp_size, attn_tp_rank and heads (an MHA decode rank's layout): "
+            "the scatter puts each sender's heads where the planner would"
+        )
+    if isinstance(prefill_tp, bool) or not isinstance(prefill_tp, int) or prefill_tp <= d_tp or prefill_tp % d_tp:
+        raise ConfigError(
+            f"Landing: prefill_tp must be an int larger than the decode's attn_tp_size = {d_tp} and a multiple "
+            f"of it, got {prefill_tp!r} (with prefill TP <= decode TP each decode page has one sender: "
+            "no landing needed)"
+        )
+    for i, b in enumerate(final.buffers):
+        if b.memory != "host":
+            raise LayoutError(
+                f"Landing: final buffer {i} (layer {b.layer}, {b.role}) is {b.memory} memory; "
+                "the landing scatter copies on the CPU, so every KV buffer must be host memory"
+            )
+    return rank, heads
+
+
+def _host_bytes(buf: KVBuffer) -> NDArray[np.uint8]:
+    """A writable (pages, page_bytes) view of a host buffer the caller registered (its own memory)."""
+    raw = (ctypes.c_uint8 * buf.nbytes).from_address(buf.base)
+    return np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8).reshape(buf.num_pages, buf.page_bytes)

@@ -1,0 +1,272 @@
+"""kvwire.landing: landing pages for prefill TP > decode TP, scattered into the decode rank's KV pages.
+
+Each sender's whole pages are put into its landing pages here by a copy (what
+its transport write does; the bench's and the mooncake test's runs move them
+with real engines), then :meth:`Landing.scatter` must leave every byte of the
+KV pages exactly as the per-token, per-head oracle says.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from typing import Any
+
+import numpy as np
+import pytest
+from tp_oracle import PAGES, oracle, routed, spec
+
+from kvwire import ConfigError, HeadLayout, InvalidTransferError, KVBuffer, KVLayout, LayoutError
+from kvwire.benchmark.presets import get_preset
+from kvwire.benchmark.tp import expected_digest
+from kvwire.landing import Landing, LandingCredits
+from kvwire.workload.memory import KVMemory, allocate
+
+
+def _pool(landing: Landing, i: int) -> np.ndarray:
+    """Landing buffer ``i`` as (pages, page_bytes) bytes."""
+    buf = landing.layout.buffers[i]
+    raw = (ctypes.c_uint8 * buf.nbytes).from_address(buf.base)
+    return np.frombuffer(memoryview(raw).cast("B"), np.uint8).reshape(buf.num_pages, buf.page_bytes)
+
+
+def _land(landing: Landing, memory: KVMemory, src: np.ndarray, pages: np.ndarray) -> None:
+    """What a sender's whole-page write does: its pages ``src`` into landing pages ``pages``."""
+    for i in range(len(landing.layout.buffers)):
+        _pool(landing, i)[pages] = memory.views[i][src]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (4, 1), (4, 2), (8, 2)])
+def test_every_decode_rank_gets_exactly_its_heads(prefill_tp: int, decode_tp: int, threads: int) -> None:
+    rng = np.random.default_rng(prefill_tp * 10 + decode_tp)
+    src = rng.permutation(PAGES)[:24].astype(np.int32)
+    dst = rng.permutation(PAGES)[:24].astype(np.int32)
+    prefill = [spec(prefill_tp, p).allocate(200 + p) for p in range(prefill_tp)]
+    for d in range(decode_tp):
+        final = spec(decode_tp, d).allocate(100 + d)
+        with Landing(final.layout, prefill_tp, 24 * prefill_tp, threads=threads) as landing:
+            feeding = [p for p in range(prefill_tp) if routed(prefill_tp, decode_tp, p, d)]
+            assert landing.senders == tuple(feeding)
+            for p in landing.senders:
+                pages = landing.reserve(24)
+                assert pages is not None
+                _land(landing, prefill[p], src, pages)
+                landing.scatter(p, pages, dst)
+                landing.release(pages)
+            assert landing.credits.free == 24 * prefill_tp
+        expected = oracle(
+            [(spec(prefill_tp, p), prefill[p].views) for p in feeding],
+            spec(decode_tp, d),
+            spec(decode_tp, d).allocate(100 + d).views,
+            src,
+            dst,
+        )
+        for i, view in enumerate(final.views):  # the target pages and every other page
+            assert np.array_equal(view, expected[i]), f"decode rank {d}, buffer {i}"
+
+
+def test_replicated_heads_come_from_their_first_holder_as_the_bench_oracle_says() -> None:
+    """qwen2.5-7b has 4 KV heads: at prefill TP 8 each head is on two ranks and only the first of them sends."""
+    preset = get_preset("qwen2.5-7b")
+    entries = preset.entries(decode_side=False)[:4]
+    p_tp, d_tp, d = 8, 2, 1
+    pools = []
+    for p in range(p_tp):
+        pool = allocate(entries, 8, preset.heads(p_tp).page_bytes)
+        pool.layout = preset.rank_layout(pool.layout, p_tp, p, False)
+        pool.fill_random(p)
+        pools.append(pool)
+    final = allocate(entries, 8, preset.heads(d_tp).page_bytes)
+    final.layout = preset.rank_layout(final.layout, d_tp, d, False)
+    final.fill_random(99)
+    src, dst = np.array([5, 1, 2], np.int32), np.array([0, 7, 3], np.int32)
+    landing = Landing(final.layout, p_tp, 8)
+    assert landing.senders == (4, 6)  # heads 2 and 3: ranks 4-5 hold head 2, ranks 6-7 head 3
+    held = landing.reserve(2)
+    assert held is not None and held.tolist() == [0, 1]
+    for p in landing.senders:
+        pages = landing.reserve(3)
+        assert pages is not None
+        _land(landing, pools[p], src, pages)
+        landing.scatter(p, pages, dst)
+    landing.release(held)
+    assert landing.reserve(3) is None and landing.credits.free == 2  # the senders' pages are still reserved
+    assert final.digest(dst.astype(np.int64)) == expected_digest(preset, pools, d_tp, d, src.astype(np.int64))
+
+
+def test_non_contiguous_landing_pages_scatter_by_index() -> None:
+    final = spec(1, 0).allocate(1)
+    senders = [spec(2, p).allocate(10 + p) for p in range(2)]
+    src, dst = np.array([3, 9, 4], np.int64), np.array([60, 2, 30], np.int64)
+    landing = Landing(final.layout, 2, 8)
+    odd = landing.reserve(8)
+    assert odd is not None
+    landing.release(odd[[0, 2, 4, 6]])  # free 0, 2, 4, 6: no range of 3 is left
+    pages = landing.reserve(3)
+    assert pages is not None and pages.tolist() == [0, 2, 4]
+    for p in range(2):
+        _land(landing, senders[p], src, pages)
+        landing.scatter(p, pages, dst)
+    expected = oracle(
+        [(spec(2, p), senders[p].views) for p in range(2)], spec(1, 0), spec(1, 0).allocate(1).views, src, dst
+    )
+    assert all(np.array_equal(v, e) for v, e in zip(final.views, expected))
+
+
+def test_head_major_pages_scatter_one_run_per_page() -> None:
+    heads = HeadLayout(2, 4, 8, 2, 4, head_major=True)  # 2 of 4 heads x 4 tokens x 16 bytes
+    k = [np.random.default_rng(1).integers(0, 255, (6, heads.page_bytes), np.uint8)]
+    final = KVLayout.mha(k, [np.zeros_like(k[0])], attn_tp_size=2, attn_tp_rank=1, heads=heads)
+    landing = Landing(final, 4, 4)
+    assert landing.senders == (2, 3)
+    before = k[0].copy()
+    for p in landing.senders:
+        pages = landing.reserve(2)
+        assert pages is not None
+        _pool(landing, 0)[pages] = p + 1  # sender p's one head of every token
+        landing.scatter(p, pages, np.array([4, 1]))
+    got = k[0].reshape(6, 2, 4, 16)
+    assert (got[[4, 1], 0] == 3).all() and (got[[4, 1], 1] == 4).all()  # rank 2's head, then rank 3's
+    untouched = [0, 2, 3, 5]
+    assert np.array_equal(k[0][untouched], before[untouched])
+
+
+# -- the landing layout is what a sender plans as a same-shape peer --------------------------------------------
+
+
+def test_the_landing_layout_takes_whole_pages_from_each_sender() -> None:
+    from kvwire import plan_transfer
+
+    final = spec(1, 0).allocate(1)
+    landing = Landing(final.layout, 2, 16)
+    layout = landing.layout
+    assert (layout.attn_tp_size, layout.attn_tp_rank, layout.heads) == (None, None, None)
+    assert [(b.layer, b.role, b.memory) for b in layout.buffers] == [
+        (b.layer, b.role, "host") for b in final.layout.buffers
+    ]
+    sender = spec(2, 1).allocate(3)
+    assert {b.page_bytes for b in layout.buffers} == {sender.layout.buffers[0].page_bytes}
+    pages = np.arange(4, 8, dtype=np.int32)
+    plan = plan_transfer(
+        sender.layout, layout, np.array([9, 10, 11, 30], np.int32), [b.base for b in layout.buffers], pages
+    )
+    assert len(plan) == 2 * len(layout.buffers)  # runs [9..11] and [30]: whole pages, coalesced
+
+
+# -- credits -----------------------------------------------------------------------------------------------------
+
+
+def _credits(pages: int) -> LandingCredits:
+    return LandingCredits(KVLayout((KVBuffer(4096, 64, pages, 0, "k"),)))
+
+
+def test_credits_hand_out_the_lowest_fitting_range_then_say_none() -> None:
+    c = _credits(10)
+    a, b = c.reserve(4), c.reserve(3)
+    assert a is not None and b is not None and (a.tolist(), b.tolist(), c.free) == ([0, 1, 2, 3], [4, 5, 6], 3)
+    c.release(a[1:3])
+    got = c.reserve(3)  # 1, 2 and 7..9 are free: the range 7..9 fits
+    assert got is not None and got.tolist() == [7, 8, 9]
+    assert c.reserve(3) is None and c.free == 2  # only 1 and 2 left: nothing is reserved
+    last = c.reserve(2)
+    assert last is not None and last.tolist() == [1, 2] and c.free == 0
+
+
+@pytest.mark.parametrize(
+    ("pages", "message"),
+    [
+        (np.array([2, 3]), "pages[0] = 2 is not a reserved landing page"),
+        (np.array([0, 0]), "pages[1] = 0 repeats pages[0]"),
+        (np.array([0, 12]), "pages[1] = 12 is out of range: the landing pool has 10 pages"),
+        (np.array([-1]), "pages[0] = -1 is negative"),
+        ([0], "pages must be a 1-D numpy integer array, got list"),
+    ],
+)
+def test_release_refuses_what_was_not_reserved_and_keeps_every_credit(pages: Any, message: str) -> None:
+    c = _credits(10)
+    c.reserve(2)
+    with pytest.raises(InvalidTransferError, match=re.escape(message)):
+        c.release(pages)
+    assert c.free == 8
+
+
+@pytest.mark.parametrize("count", [0, -3, True, 2.0, "2"])
+def test_reserve_needs_a_positive_count(count: Any) -> None:
+    with pytest.raises(
+        InvalidTransferError, match=re.escape(f"count must be a positive int (landing pages to reserve), got {count!r}")
+    ):
+        _credits(4).reserve(count)
+
+
+# -- bad input: a typed error naming the argument, before a byte moves -------------------------------------------
+
+
+@pytest.fixture
+def landed() -> tuple[Landing, KVMemory, np.ndarray]:
+    final = spec(2, 1).allocate(5)
+    landing = Landing(final.layout, 4, 8)
+    pages = landing.reserve(2)
+    assert pages is not None
+    return landing, final, pages
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda pages: (0, pages, np.array([1, 2])),
+            "sender = 0 does not send into this landing pool: decode rank 1 (of 2) receives from prefill ranks "
+            "[2, 3] (of 4)",
+        ),
+        (lambda pages: (True, pages, np.array([1, 2])), "sender = True does not send into this landing pool"),
+        (lambda pages: (2, np.array([5, 6]), np.array([1, 2])), "landing_pages[0] = 5 is not a reserved landing page"),
+        (
+            lambda pages: (2, pages, np.array([1])),
+            "final_pages has 1 entries but landing_pages has 2: they must be equal",
+        ),
+        (lambda pages: (2, pages, np.array([1, PAGES])), f"final_pages[1] = {PAGES} is out of range"),
+        (lambda pages: (2, pages, np.array([3, 3])), "final_pages[1] = 3 repeats final_pages[0]"),
+        (
+            lambda pages: (2, pages, np.array([1.0, 2.0])),
+            "final_pages must have an integer dtype (int32 or int64), got float64",
+        ),
+    ],
+)
+def test_a_bad_scatter_names_its_argument_and_moves_nothing(
+    landed: tuple[Landing, KVMemory, np.ndarray], call: Any, message: str
+) -> None:
+    landing, final, pages = landed
+    before = final.digest()
+    with pytest.raises(InvalidTransferError, match=re.escape(message)):
+        landing.scatter(*call(pages))
+    assert final.digest() == before and landing.credits.free == 6
+
+
+def test_an_unsuitable_decode_layout_is_refused_at_construction() -> None:
+    final = spec(2, 0).allocate(1).layout
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "Landing: prefill_tp must be an int larger than the decode's attn_tp_size = 2 and a multiple of it, got 3"
+        ),
+    ):
+        Landing(final, 3, 4)
+    with pytest.raises(
+        ConfigError, match=re.escape("got 2 (with prefill TP <= decode TP each decode page has one sender")
+    ):
+        Landing(final, 2, 4)
+    with pytest.raises(ConfigError, match=re.escape("Landing: final must record attn_tp_size, attn_tp_rank and heads")):
+        Landing(KVLayout(final.buffers), 4, 4)
+    with pytest.raises(ConfigError, match=re.escape("Landing: pages must be a positive int, got 0")):
+        Landing(final, 4, 0)
+    with pytest.raises(ConfigError, match=re.escape("Landing: threads must be a positive int, got 1.5")):
+        Landing(final, 4, 4, threads=1.5)  # type: ignore[arg-type]
+    device = KVLayout(
+        tuple(KVBuffer(b.base, b.page_bytes, b.num_pages, b.layer, b.role, "device") for b in final.buffers),
+        2,
+        0,
+        final.heads,
+    )
+    with pytest.raises(LayoutError, match=re.escape("Landing: final buffer 0 (layer 0, k) is device memory")):
+        Landing(device, 4, 4)
