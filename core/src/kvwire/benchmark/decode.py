@@ -88,22 +88,21 @@ class DecodeSide:
         return {"ok": ok, "guards_ok": not recorded or guards == recorded}
 
     def reserve(self, message: dict[str, Any]) -> dict[str, Any]:
-        """Landing pages for each of this rank's senders: ``{"pages": {sender: [ids]}}`` (``count`` each)."""
+        """Landing pages of ``count`` for each of this rank's senders, all or none: ``{"pages": {sender: [ids]}}``."""
         landing = self._landing()
-        pages = {}
-        for p in landing.senders:
-            got = landing.reserve(int(message["count"]))
-            if got is None:
-                raise RuntimeError(f"too few free landing pages ({landing.credits.free}) for {message['count']}")
-            pages[str(p)] = got.tolist()
-        return {"ok": True, "pages": pages}
+        got = landing.reserve(int(message["count"]))
+        if got is None:
+            raise RuntimeError(f"too few free landing pages ({landing.credits.free}) for {message['count']} per sender")
+        return {"ok": True, "pages": {str(p): pages.tolist() for p, pages in got.items()}}
 
     def scatter(self, message: dict[str, Any]) -> dict[str, Any]:
-        """Scatter one sender's landing pages into ``host_pages``, then release them."""
+        """Scatter one sender's landing pages into ``host_pages``; release them whatever happens."""
         landing = self._landing()
         land = np.asarray(message["landing_pages"], np.int64)
-        landing.scatter(int(message["sender"]), land, np.asarray(message["host_pages"], np.int64))
-        landing.release(land)
+        try:
+            landing.scatter(int(message["sender"]), land, np.asarray(message["host_pages"], np.int64))
+        finally:
+            landing.release(land)
         return {"ok": True}
 
     def _landing(self) -> Landing:

@@ -62,8 +62,8 @@ class Preset:
 
     def heads(self, tp: int, head_major: bool = False) -> HeadLayout:
         """How one rank of an attention-TP group of ``tp`` holds the KV heads (one replicated head when fewer)."""
-        held = max(1, self.kv_heads // tp)
-        return HeadLayout(held, self.kv_heads, self.head_dim, self.dtype_bytes, self.page_tokens, head_major)
+        model = HeadLayout(self.kv_heads, self.kv_heads, self.head_dim, self.dtype_bytes, self.page_tokens, head_major)
+        return model.for_tp(tp)
 
     def rank_layout(self, layout: KVLayout, tp: int, rank: int, head_major: bool = False) -> KVLayout:
         """``layout`` (buffers of ``heads(tp).page_bytes``) recording TP size, rank and heads (in page order)."""

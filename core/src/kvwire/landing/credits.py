@@ -1,18 +1,21 @@
-"""Landing-page credits: which landing pages are free, handed out per request and given back after the scatter.
+"""Landing-page credits: which landing pages are free, and which sender each reserved one is for.
 
 The decode side owns its landing pages the way it owns its KV pages: it
 reserves some for each sender of a request (before the request's page ids go
 to the prefill side, where the KV pages are allocated too), and releases them
 once it has scattered them. A sender can only write pages the decode side
-reserved and told it about, so the bounded landing pool is never overrun;
-when too few are free, :meth:`LandingCredits.reserve` says so (None) and the
-host sends that request straight into its KV pages (the head-slice path).
+reserved and told it about, so the bounded landing pool is never overrun.
+Reservations are all or nothing: when too few pages are free for every
+sender, :meth:`LandingCredits.reserve` reserves none and says so (None), and
+the host sends that request straight into its KV pages (the head-slice path).
 """
 
 from __future__ import annotations
 
+import operator
 import threading
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Final
 
 import numpy as np
 from numpy.typing import NDArray
@@ -22,70 +25,106 @@ from kvwire.layout.buffers import KVBuffer, LayoutError
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.planning.checks import check_range, index_array, raise_repeat
 
-__all__ = ["LandingCredits"]
+__all__ = ["LandingCredits", "whole_number"]
+
+_FREE: Final = -1
+
+
+def whole_number(name: str, value: object, minimum: int, error: type[Exception] = InvalidTransferError) -> int:
+    """``value`` as an int (Python or numpy integer, not a bool) of at least ``minimum``; else ``error`` naming it."""
+    if not isinstance(value, bool):
+        try:
+            number = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+        else:
+            if number >= minimum:
+                return number
+    raise error(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 class LandingCredits:
-    """Free and reserved landing pages of one landing pool; thread-safe."""
+    """The reserved landing pages of one landing pool and the sender each is for; thread-safe."""
 
     def __init__(self, layout: KVLayout) -> None:
         self._layout = layout
         self.pages = layout.buffers[0].num_pages
         if self.pages < 1:
             raise LayoutError("a landing pool needs at least one page")
-        self._reserved = np.zeros(self.pages, dtype=np.bool_)
+        self._owner = np.full(self.pages, _FREE, dtype=np.int64)  # the sender each page is reserved for
         self._lock = threading.Lock()
 
     @property
     def free(self) -> int:
         """Landing pages not reserved now."""
         with self._lock:
-            return self.pages - int(np.count_nonzero(self._reserved))
+            return int(np.count_nonzero(self._owner == _FREE))
 
-    def reserve(self, count: int) -> NDArray[np.int64] | None:
-        """``count`` free pages, now reserved: the lowest contiguous range that fits, else the lowest free pages.
+    def reserve(self, count: int, senders: Sequence[int]) -> dict[int, NDArray[np.int64]] | None:
+        """``count`` pages for each of ``senders``, or None (nothing reserved) when too few are free now.
 
-        None when fewer than ``count`` are free (nothing is reserved then). A
-        contiguous range keeps the sender's write one descriptor per run of
-        its own pages and the scatter's reads one slice.
+        Each sender gets the lowest free range of ``count`` pages when there is
+        one, else the lowest free pages: a range keeps the sender's write one
+        descriptor per run of its own pages, and the scatter's reads one slice.
+        A request that can never fit (``count`` times the senders is more than
+        the pool) is an InvalidTransferError, not a None to wait on.
         """
-        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
-            raise InvalidTransferError(f"count must be a positive int (landing pages to reserve), got {count!r}")
-        n = int(count)
+        n = whole_number("count", count, 1)
+        owners = [whole_number(f"senders[{i}]", s, 0) for i, s in enumerate(senders)]
+        if n * len(owners) > self.pages:
+            raise InvalidTransferError(
+                f"count = {n} pages for each of {len(owners)} senders is more than the landing pool's "
+                f"{self.pages} pages: it can never be reserved; make the pool larger"
+            )
         with self._lock:
-            free = ~self._reserved
-            if n > int(np.count_nonzero(free)):
+            if n * len(owners) > int(np.count_nonzero(self._owner == _FREE)):
                 return None
-            start = _first_run(free, n)
-            pages = np.arange(start, start + n, dtype=np.int64) if start is not None else np.flatnonzero(free)[:n]
-            self._reserved[pages] = True
-            return pages
+            out = {}
+            for owner in owners:
+                free = self._owner == _FREE
+                start = _first_run(free, n)
+                pages = np.arange(start, start + n, dtype=np.int64) if start is not None else np.flatnonzero(free)[:n]
+                self._owner[pages] = owner
+                out[owner] = pages
+            return out
 
     def release(self, pages: NDArray[np.integer[Any]]) -> None:
-        """Give back reserved ``pages`` (all of them, or none when one is not reserved: InvalidTransferError)."""
-        ids = self.check_reserved("pages", pages)
+        """Give back reserved ``pages``: all of them, or none when one is not reserved (InvalidTransferError)."""
+        ids = self._ids("pages", pages)
         with self._lock:
-            if not self._reserved[ids].all():  # released by another thread meanwhile
-                raise InvalidTransferError(f"pages[{int(np.argmin(self._reserved[ids]))}] is not reserved")
-            self._reserved[ids] = False
+            self._check_owner("pages", ids, None)
+            self._owner[ids] = _FREE
 
-    def check_reserved(self, name: str, pages: object) -> NDArray[np.int64]:
-        """``pages`` as int64: a 1-D integer array of distinct, reserved landing pages (else InvalidTransferError)."""
-        ids = index_array(name, pages).astype(np.int64, copy=False)
-        if ids.shape[0] == 0:
-            return ids
-        check_range(name, ids, self.pages, layout=self._layout, ids=range(1), describe=_landing_name)
-        if np.unique(ids).shape[0] != ids.shape[0]:
-            raise_repeat(name, ids)
+    def check(self, name: str, pages: object, sender: int) -> NDArray[np.int64]:
+        """``pages`` as int64: distinct landing pages reserved for ``sender`` (else InvalidTransferError)."""
+        ids = self._ids(name, pages)
         with self._lock:
-            held = self._reserved[ids]
-        if not held.all():
-            j = int(np.argmin(held))
+            self._check_owner(name, ids, sender)
+        return ids
+
+    def _ids(self, name: str, pages: object) -> NDArray[np.int64]:
+        ids = index_array(name, pages).astype(np.int64, copy=False)
+        if ids.shape[0]:
+            check_range(name, ids, self.pages, layout=self._layout, ids=range(1), describe=_landing_name)
+            if np.unique(ids).shape[0] != ids.shape[0]:
+                raise_repeat(name, ids)
+        return ids
+
+    def _check_owner(self, name: str, ids: NDArray[np.int64], sender: int | None) -> None:
+        owner = self._owner[ids]
+        held = owner != _FREE if sender is None else owner == sender
+        if held.all():
+            return
+        j = int(np.argmin(held))
+        if owner[j] == _FREE:
             raise InvalidTransferError(
                 f"{name}[{j}] = {int(ids[j])} is not a reserved landing page: reserve() hands pages out, "
                 "and each is used until release()"
             )
-        return ids
+        raise InvalidTransferError(
+            f"{name}[{j}] = {int(ids[j])} is reserved for sender {int(owner[j])}, not sender {sender}: "
+            "each sender's pages hold its own heads"
+        )
 
 
 def _landing_name(i: int, buf: KVBuffer) -> str:

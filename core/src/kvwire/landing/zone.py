@@ -15,12 +15,15 @@ The landing layout records no TP fields and no heads, so a sender plans it
 as a same-shape peer: whole pages, page sizes checked. The scatter's offsets
 come from :func:`kvwire.planning.head_slicing.slicing_of`, the planner's own
 head arithmetic (one implementation of which heads a sender supplies and
-where they go). The KV pages must be host memory: the scatter runs on the CPU.
+where they go). The KV pages must be host memory of this process that
+outlives the :class:`Landing` (the scatter writes them through their
+addresses, on the CPU). Head-major pages are scattered correctly too, but need
+no landing: a sender's heads are one run of every page already.
 """
 
 from __future__ import annotations
 
-import ctypes
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,17 +31,18 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.errors import ConfigError, InvalidTransferError
-from kvwire.landing.credits import LandingCredits
-from kvwire.layout.buffers import HeadLayout, KVBuffer, LayoutError
-from kvwire.layout.hugepages import hugepage_array
+from kvwire.landing.credits import LandingCredits, whole_number
+from kvwire.layout.buffers import ADDRESS_LIMIT, HeadLayout, KVBuffer, LayoutError
+from kvwire.layout.hugepages import host_bytes, hugepage_array
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.planning.checks import check_range, index_array, raise_repeat
 from kvwire.planning.head_slicing import Slicing, senders, slicing_of
-from kvwire.planning.pairing import peer_name
 
 __all__ = ["Landing"]
 
 _WIDTHS = (8, 4, 2, 1)
+#: Most scatter threads a Landing takes (more than the cores only adds switching).
+MAX_THREADS = 64
 
 
 class Landing:
@@ -59,51 +63,54 @@ class Landing:
     """
 
     def __init__(self, final: KVLayout, prefill_tp: int, pages: int, *, threads: int = 2) -> None:
-        decode_rank, heads = _check_final(final, prefill_tp)
-        for name, value in (("pages", pages), ("threads", threads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"Landing: {name} must be a positive int, got {value!r}")
+        decode_rank, own = _check_final(final, prefill_tp)
+        n, tp = len(final.buffers), int(prefill_tp)
+        count = whole_number("Landing: pages", pages, 1, ConfigError)
+        self._threads = whole_number("Landing: threads", threads, 1, ConfigError)
+        if self._threads > MAX_THREADS:
+            raise ConfigError(f"Landing: threads must be an int <= {MAX_THREADS}, got {threads!r}")
+        if count > ADDRESS_LIMIT // (n * own.page_bytes):
+            raise ConfigError(
+                f"Landing: pages = {count} of {own.page_bytes} bytes for each of {n} buffers is past the address space"
+            )
+        try:
+            self._memory = hugepage_array(n * count, own.page_bytes).reshape(n, count, own.page_bytes)
+        except (OSError, OverflowError, MemoryError) as exc:
+            raise ConfigError(
+                f"Landing: pages = {count}: cannot map {n * count * own.page_bytes} bytes of landing pages ({exc})"
+            ) from exc
         self.final = final
-        self.prefill_tp = prefill_tp
-        own = HeadLayout(
-            max(1, heads.total_kv_heads // prefill_tp),
-            heads.total_kv_heads,
-            heads.head_dim,
-            heads.elem_bytes,
-            heads.tokens_per_page,
-            heads.head_major,
-        )
-        n = len(final.buffers)
-        self._memory = hugepage_array(n * pages, own.page_bytes).reshape(n, pages, own.page_bytes)
+        self.prefill_tp = tp
         base = int(self._memory.ctypes.data)
-        step = pages * own.page_bytes
+        step = count * own.page_bytes
         #: The landing pool as a peer layout: register it with a connection; senders write whole pages into it.
         self.layout = KVLayout(
             tuple(
-                KVBuffer(base + i * step, own.page_bytes, pages, b.layer, b.role) for i, b in enumerate(final.buffers)
+                KVBuffer(base + i * step, own.page_bytes, count, b.layer, b.role) for i, b in enumerate(final.buffers)
             )
         )
         self.credits = LandingCredits(self.layout)
         d_tp = final.attn_tp_size
         assert d_tp is not None  # _check_final
         self._slicing: dict[int, Slicing] = {}
-        for p in senders(prefill_tp, d_tp, decode_rank):
-            sender = KVLayout(self.layout.buffers, prefill_tp, p, own)
-            s = slicing_of(sender, final)
+        for p in senders(tp, d_tp, decode_rank):
+            s = slicing_of(KVLayout(self.layout.buffers, tp, p, own), final)
             if s is not None and s.sends:
                 self._slicing[p] = s
         #: The prefill ranks that send into this pool (a GQA replica another sender covers sends nothing).
         self.senders: tuple[int, ...] = tuple(self._slicing)
-        self._final = [_host_bytes(b) for b in final.buffers]
-        self._threads = threads
+        self._final = [host_bytes(b.base, b.num_pages, b.page_bytes) for b in final.buffers]
+        self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
 
-    def reserve(self, count: int) -> NDArray[np.int64] | None:
-        """``count`` landing pages for one sender of one request, or None when too few are free."""
-        return self.credits.reserve(count)
+    def reserve(self, count: int) -> dict[int, NDArray[np.int64]] | None:
+        """``count`` landing pages for each sender of one request, by sender; None (nothing reserved) when too few
+        are free now. InvalidTransferError when ``count`` pages per sender can never fit the pool."""
+        return self.credits.reserve(count, self.senders)
 
     def release(self, pages: NDArray[np.integer[Any]]) -> None:
-        """Give back landing pages once scattered."""
+        """Give back landing pages once scattered (or once their request is dropped)."""
         self.credits.release(pages)
 
     def scatter(
@@ -114,14 +121,17 @@ class Landing:
         ``landing_pages[j]`` holds what the sender sent for ``final_pages[j]``.
         Every argument is checked (InvalidTransferError naming it) before a byte moves.
         """
-        s = self._slicing.get(sender) if isinstance(sender, int) and not isinstance(sender, bool) else None
+        try:
+            s = self._slicing.get(whole_number("sender", sender, 0))
+        except InvalidTransferError:
+            s = None
         if s is None:
             raise InvalidTransferError(
                 f"sender = {sender!r} does not send into this landing pool: decode rank {self.final.attn_tp_rank} "
                 f"(of {self.final.attn_tp_size}) receives from prefill ranks {list(self.senders)} "
                 f"(of {self.prefill_tp})"
             )
-        land = self.credits.check_reserved("landing_pages", landing_pages)
+        land = self.credits.check("landing_pages", landing_pages, int(sender))
         dst = index_array("final_pages", final_pages).astype(np.int64, copy=False)
         n = land.shape[0]
         if dst.shape[0] != n:
@@ -131,9 +141,7 @@ class Landing:
         if n == 0:
             return
         limit = min(b.num_pages for b in self.final.buffers)
-        check_range(
-            "final_pages", dst, limit, layout=self.final, ids=range(len(self.final.buffers)), describe=peer_name
-        )
+        check_range("final_pages", dst, limit, layout=self.final, ids=range(len(self.final.buffers)), describe=_kv_name)
         if np.unique(dst).shape[0] != n:
             raise_repeat("final_pages", dst)
         contiguous = int(land[-1]) - int(land[0]) == n - 1 and bool((np.diff(land) == 1).all())
@@ -143,20 +151,27 @@ class Landing:
             (copy.view(self._memory[i], s.src_page_bytes), copy.view(f, s.dst_page_bytes))
             for i, f in enumerate(self._final)
         ]
-        if self._threads == 1 or len(jobs) == 1:
+        k = min(self._threads, len(jobs))
+        if k == 1:
             copy.run_all(jobs, source, dst)
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="kvwire-landing")
-        k = self._threads
-        for _ in self._pool.map(copy.run_all, [jobs[i::k] for i in range(k)], [source] * k, [dst] * k):
-            pass
+        with self._lock:
+            if self._closed:
+                raise InvalidTransferError("the Landing is closed; nothing was scattered")
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="kvwire-landing")
+            pool = self._pool
+            done = [pool.submit(copy.run_all, jobs[i::k], source, dst) for i in range(k)]
+        for future in done:  # close() waits for these; an error in one is raised here
+            future.result()
 
     def close(self) -> None:
-        """Stop the scatter threads (the landing memory lives as long as this object)."""
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        """Stop the scatter threads once running scatters finish (the landing memory lives as long as this object)."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown()
 
     def __enter__(self) -> Landing:
         return self
@@ -172,7 +187,14 @@ class _Copy:
         self.rows = s.tokens
         self.src_off, self.dst_off = int(s.src_tokens[0]), int(s.dst_tokens[0])
         self.length = s.length
-        sizes = (s.length, self.src_off, self.dst_off, s.src_page_bytes // self.rows, s.dst_page_bytes // self.rows)
+        src_row, dst_row = s.src_page_bytes // self.rows, s.dst_page_bytes // self.rows
+        rows = np.arange(self.rows, dtype=np.int64)
+        if not (
+            np.array_equal(s.src_tokens, rows * src_row + self.src_off)
+            and np.array_equal(s.dst_tokens, rows * dst_row + self.dst_off)
+        ):
+            raise InvalidTransferError("internal planning error: head-slice rows are not evenly spaced; nothing moved")
+        sizes = (s.length, self.src_off, self.dst_off, src_row, dst_row)
         self.width = next(w for w in _WIDTHS if all(v % w == 0 for v in sizes))
 
     def view(self, pages: NDArray[np.uint8], page_bytes: int) -> NDArray[Any]:
@@ -196,7 +218,7 @@ class _Copy:
 
 
 def _check_final(final: KVLayout, prefill_tp: int) -> tuple[int, HeadLayout]:
-    """The decode rank and its heads; ConfigError/LayoutError naming what does not fit a landing pool."""
+    """The decode rank and its senders' heads; ConfigError/LayoutError naming what does not fit a landing pool."""
     if not isinstance(final, KVLayout):
         raise ConfigError(f"Landing: final must be a kvwire.KVLayout, got {type(final).__name__}")
     d_tp, rank, heads = final.attn_tp_size, final.attn_tp_rank, final.heads
@@ -205,22 +227,25 @@ def _check_final(final: KVLayout, prefill_tp: int) -> tuple[int, HeadLayout]:
             "Landing: final must record attn_tp_size, attn_tp_rank and heads (an MHA decode rank's layout): "
             "the scatter puts each sender's heads where the planner would"
         )
-    if isinstance(prefill_tp, bool) or not isinstance(prefill_tp, int) or prefill_tp <= d_tp or prefill_tp % d_tp:
+    tp = whole_number("Landing: prefill_tp", prefill_tp, 1, ConfigError)
+    if tp <= d_tp or tp % d_tp:
         raise ConfigError(
             f"Landing: prefill_tp must be an int larger than the decode's attn_tp_size = {d_tp} and a multiple "
             f"of it, got {prefill_tp!r} (with prefill TP <= decode TP each decode page has one sender: "
             "no landing needed)"
         )
+    try:
+        own = heads.for_tp(tp)
+    except LayoutError as exc:
+        raise ConfigError(f"Landing: prefill_tp = {tp} does not fit the model's KV heads: {exc}") from exc
     for i, b in enumerate(final.buffers):
         if b.memory != "host":
             raise LayoutError(
                 f"Landing: final buffer {i} (layer {b.layer}, {b.role}) is {b.memory} memory; "
                 "the landing scatter copies on the CPU, so every KV buffer must be host memory"
             )
-    return rank, heads
+    return rank, own
 
 
-def _host_bytes(buf: KVBuffer) -> NDArray[np.uint8]:
-    """A writable (pages, page_bytes) view of a host buffer the caller registered (its own memory)."""
-    raw = (ctypes.c_uint8 * buf.nbytes).from_address(buf.base)
-    return np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8).reshape(buf.num_pages, buf.page_bytes)
+def _kv_name(i: int, buf: KVBuffer) -> str:
+    return f"KV buffer {i} (layer {buf.layer}, {buf.role})"

@@ -141,6 +141,21 @@ class HeadLayout:
     def page_bytes(self) -> int:
         return self.row_bytes * self.tokens_per_page
 
+    def for_tp(self, tp: int) -> HeadLayout:
+        """The heads one rank of an attention-TP group of ``tp`` holds: same model, same page order.
+
+        LayoutError when ``tp`` does not fit the model's KV heads (see :meth:`check_tp`).
+        """
+        size = _check_int(tp, "attn_tp_size", 1)
+        if size > _COUNT_LIMIT:
+            raise LayoutError(f"attn_tp_size must be <= {_COUNT_LIMIT}, got {size}")
+        total = self.total_kv_heads
+        held = HeadLayout(
+            max(1, total // size), total, self.head_dim, self.elem_bytes, self.tokens_per_page, self.head_major
+        )
+        held.check_tp(size)
+        return held
+
     def check_tp(self, tp: int) -> None:
         """The head counts fit an attention-TP group of ``tp`` ranks (LayoutError naming the field)."""
         total, held = self.total_kv_heads, self.kv_heads

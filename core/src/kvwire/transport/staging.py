@@ -28,7 +28,6 @@ gathered into the other.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvwire.errors import BackendError
+from kvwire.layout.hugepages import host_bytes
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.planning.plan import TransferPlan, trusted_plan
 from kvwire.transport.interface import Transport
@@ -101,9 +101,7 @@ def gather_of(plan: TransferPlan, local: KVLayout, max_item: int | None = None) 
 
 def _items(base: int, nbytes: int, item: int) -> NDArray[np.void]:
     """The host memory ``base .. base + nbytes`` as an array of ``item``-byte items (no copy)."""
-    count = nbytes // item
-    memory = memoryview((ctypes.c_char * (count * item)).from_address(base)).cast("B")
-    return np.frombuffer(memory, dtype=np.dtype((np.void, item)))
+    return host_bytes(base, nbytes // item, item, np.dtype((np.void, item)))
 
 
 class Staging:
