@@ -334,14 +334,10 @@ def _measure(
         src64 = src.astype(np.int64)
         pages = {"host_pages": dst.tolist(), "device_pages": None}
         for prefill, dec in pairs:
-            if dec.landing is not None:  # whole pages into landing pages (reserved in one range, as a rule)
-                landed = dec.landing.layout
-                ptrs = [b.base for b in landed.buffers]
-                plan = plan_transfer(prefill.pool.layout, landed, src, ptrs, np.arange(len(src), dtype=np.int32))
-            else:
+            if dec.landing is None:  # with landing pages: counted once they are reserved
                 plan = plan_transfer(prefill.pool.layout, dec.peer.layout, src, dec.ptrs, dst)
-            before += plan.descriptors_before
-            after += len(plan)
+                before += plan.descriptors_before
+                after += len(plan)
         # (decode ranks, expected digests) checked after each mode
         modes: list[tuple[str, list[tuple[_Decode, str]], list[tuple[_Prefill, _Decode]]]] = [
             (
@@ -362,6 +358,14 @@ def _measure(
                 dec.channel.request({"cmd": "scramble", **pages})
             if name == "tp" and args.landing:  # reserved before the request, as its KV pages are
                 reserved = _reserve(decodes, len(src))
+                for prefill, dec in sends:  # the plans the sends make, on the pages reserved for them
+                    land = reserved[dec.rank].get(str(prefill.rank))
+                    if land is not None and dec.landing is not None:
+                        landed = dec.landing.layout
+                        ptrs = [b.base for b in landed.buffers]
+                        plan = plan_transfer(prefill.pool.layout, landed, src, ptrs, np.asarray(land, np.int32))
+                        before += plan.descriptors_before
+                        after += len(plan)
                 start = time.perf_counter()
                 moved = _send_landing(sends, src, dst, reserved)
             else:
