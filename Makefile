@@ -62,7 +62,7 @@ demo: setup
 
 # The API reference, generated from the docstrings (pdoc), into build/api/ (open build/api/index.html).
 # Every warning is an error: a docstring pdoc cannot render fails the build.
-DOC_MODULES := kvwire kvwire.submit kvwire.transport kvwire.planning kvwire.layout kvwire.spec kvwire.metrics \
+DOC_MODULES := kvwire kvwire.submit kvwire.transport kvwire.planning kvwire.layout kvwire.landing kvwire.spec kvwire.metrics \
 	kvwire.testing kvwire.lint kvwire.compat.sglang \
 	kvwire.compat.vllm.layout kvwire.compat.vllm.settings kvwire.compat.vllm.params kvwire.compat.vllm.registration
 docs: setup
