@@ -36,6 +36,7 @@ from kvwire.connection import Connection
 from kvwire.control import accept_one, check_listen_key, parse_address, read_command, reply, serve
 from kvwire.landing import Landing
 from kvwire.layout.buffers import MemoryKind
+from kvwire.layout.kv_layout import KVLayout
 from kvwire.layout.peer import PeerDescription
 from kvwire.registry.manager import connect
 from kvwire.submit.watcher import NotificationWatcher
@@ -144,12 +145,17 @@ def _start(args: dict[str, Any], host: str | None = None) -> tuple[Connection, K
     if tp is not None:
         memory.layout = preset.rank_layout(memory.layout, int(tp[0]), int(tp[1]), bool(args.get("head_major")))
     memory.fill_random(int(args["seed"]))
+    return _connect(args, host, memory.layout), memory
+
+
+def _connect(args: dict[str, Any], host: str | None, layout: KVLayout) -> Connection:
+    """A connection of the bench's backend and config (``host``: this side's own), ``layout`` registered."""
     settings = dict(args.get("config", {}))
     if host is not None:
         settings["host"] = host
     conn = connect(args["backend"], BackendConfig.from_dict(settings))
-    conn.register_kv_buffers(memory.layout)
-    return conn, memory
+    conn.register_kv_buffers(layout)
+    return conn
 
 
 def _start_landing(
@@ -160,12 +166,7 @@ def _start_landing(
     if not spec:
         return None, None
     landing = Landing(memory.layout, int(spec[0]), int(spec[1]))
-    settings = dict(args.get("config", {}))
-    if host is not None:
-        settings["host"] = host
-    conn = connect(args["backend"], BackendConfig.from_dict(settings))
-    conn.register_kv_buffers(landing.layout)
-    return conn, landing
+    return _connect(args, host, landing.layout), landing
 
 
 def _session(
