@@ -173,7 +173,16 @@ class _Decode:
 
     @property
     def ptrs(self) -> list[int]:
-        return [b.base for b in self.peer.layout.buffers]
+        return _bases(self.peer)
+
+    @property
+    def target(self) -> PeerDescription:
+        """Where senders write: the landing pool with ``--landing``, else the KV pages."""
+        return self.landing or self.peer
+
+
+def _bases(peer: PeerDescription) -> list[int]:
+    return [b.base for b in peer.layout.buffers]
 
 
 @dataclass
@@ -256,10 +265,9 @@ def run_tp(
         one = np.array([0], np.int32)
         steps(f"adding peers and a warm-up transfer on each of {len(pairs) + (same is not None)} rank pairs")
         for prefill, dec in pairs + ([same] if same else []):
-            target = dec.landing or dec.peer
+            target = dec.target
             prefill.conn.add_peer(target.endpoint, target.layout)
-            ptrs = [b.base for b in target.layout.buffers]
-            prefill.conn.send_kvcache(target.endpoint, one, ptrs, one)  # warm-up: handshake
+            prefill.conn.send_kvcache(target.endpoint, one, _bases(target), one)  # warm-up: handshake
         steps(f"sending {args.requests} requests of {args.tokens} tokens (TP {p_tp} -> {d_tp})")
         step = Progress(args.requests, steps).step
         result = _measure(args, pairs, same, decodes, [p.pool for p in prefills], pages_per_request, pool_pages, step)
@@ -276,6 +284,14 @@ def _reserve(decodes: Sequence[_Decode], count: int) -> dict[int, dict[str, list
     return {dec.rank: dec.channel.request({"cmd": "reserve", "count": count})["pages"] for dec in decodes}
 
 
+def _landing_sends(
+    pairs: Sequence[tuple[_Prefill, _Decode]], reserved: dict[int, dict[str, list[int]]]
+) -> list[tuple[_Prefill, _Decode, list[int]]]:
+    """The pairs that send, each with its landing pages (a GQA replica another sender covers has none)."""
+    found = [(prefill, dec, reserved[dec.rank].get(str(prefill.rank))) for prefill, dec in pairs]
+    return [(prefill, dec, land) for prefill, dec, land in found if land is not None]
+
+
 def _send_landing(
     pairs: Sequence[tuple[_Prefill, _Decode]],
     src: NDArray[np.int32],
@@ -284,18 +300,13 @@ def _send_landing(
 ) -> int:
     """Each sender writes whole pages into its landing pages; its decode rank scatters them while the next writes.
 
-    A sender without landing pages (a GQA replica another sender covers) sends nothing. Returns once every
-    scatter has answered.
+    Returns once every scatter has answered.
     """
     moved = 0
     scattering: list[_Decode] = []
-    for prefill, dec in pairs:
-        land = reserved[dec.rank].get(str(prefill.rank))
-        if land is None or dec.landing is None:
-            continue
-        target = dec.landing
-        ptrs = [b.base for b in target.layout.buffers]
-        moved += prefill.conn.send_kvcache(target.endpoint, src, ptrs, np.asarray(land, np.int32))
+    for prefill, dec, land in _landing_sends(pairs, reserved):
+        target = dec.target
+        moved += prefill.conn.send_kvcache(target.endpoint, src, _bases(target), np.asarray(land, np.int32))
         dec.channel.send({"cmd": "scatter", "sender": prefill.rank, "landing_pages": land, "host_pages": dst.tolist()})
         scattering.append(dec)
     for dec in scattering:
@@ -358,14 +369,13 @@ def _measure(
                 dec.channel.request({"cmd": "scramble", **pages})
             if name == "tp" and args.landing:  # reserved before the request, as its KV pages are
                 reserved = _reserve(decodes, len(src))
-                for prefill, dec in sends:  # the plans the sends make, on the pages reserved for them
-                    land = reserved[dec.rank].get(str(prefill.rank))
-                    if land is not None and dec.landing is not None:
-                        landed = dec.landing.layout
-                        ptrs = [b.base for b in landed.buffers]
-                        plan = plan_transfer(prefill.pool.layout, landed, src, ptrs, np.asarray(land, np.int32))
-                        before += plan.descriptors_before
-                        after += len(plan)
+                for prefill, dec, land in _landing_sends(sends, reserved):  # the plans the sends will make
+                    target = dec.target
+                    plan = plan_transfer(
+                        prefill.pool.layout, target.layout, src, _bases(target), np.asarray(land, np.int32)
+                    )
+                    before += plan.descriptors_before
+                    after += len(plan)
                 start = time.perf_counter()
                 moved = _send_landing(sends, src, dst, reserved)
             else:

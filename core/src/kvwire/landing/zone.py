@@ -63,8 +63,8 @@ class Landing:
     """
 
     def __init__(self, final: KVLayout, prefill_tp: int, pages: int, *, threads: int = 2) -> None:
-        decode_rank, own = _check_final(final, prefill_tp)
-        n, tp = len(final.buffers), int(prefill_tp)
+        decode_rank, tp, own = _check_final(final, prefill_tp)
+        n = len(final.buffers)
         count = whole_number("Landing: pages", pages, 1, ConfigError)
         self._threads = whole_number("Landing: threads", threads, 1, ConfigError)
         if self._threads > MAX_THREADS:
@@ -92,14 +92,20 @@ class Landing:
         self.credits = LandingCredits(self.layout)
         d_tp = final.attn_tp_size
         assert d_tp is not None  # _check_final
-        self._slicing: dict[int, Slicing] = {}
+        kv = [host_bytes(b.base, b.num_pages, b.page_bytes) for b in final.buffers]
+        # per sender: its copy and the (landing, KV) views of every buffer it copies between, made once
+        self._copies: dict[int, tuple[_Copy, list[tuple[NDArray[Any], NDArray[Any]]]]] = {}
         for p in senders(tp, d_tp, decode_rank):
             s = slicing_of(KVLayout(self.layout.buffers, tp, p, own), final)
             if s is not None and s.sends:
-                self._slicing[p] = s
+                copy = _Copy(s)
+                views = [
+                    (copy.view(self._memory[i], s.src_page_bytes), copy.view(f, s.dst_page_bytes))
+                    for i, f in enumerate(kv)
+                ]
+                self._copies[p] = (copy, views)
         #: The prefill ranks that send into this pool (a GQA replica another sender covers sends nothing).
-        self.senders: tuple[int, ...] = tuple(self._slicing)
-        self._final = [host_bytes(b.base, b.num_pages, b.page_bytes) for b in final.buffers]
+        self.senders: tuple[int, ...] = tuple(self._copies)
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
@@ -122,10 +128,10 @@ class Landing:
         Every argument is checked (InvalidTransferError naming it) before a byte moves.
         """
         try:
-            s = self._slicing.get(whole_number("sender", sender, 0))
+            planned = self._copies.get(whole_number("sender", sender, 0))
         except InvalidTransferError:
-            s = None
-        if s is None:
+            planned = None
+        if planned is None:
             raise InvalidTransferError(
                 f"sender = {sender!r} does not send into this landing pool: decode rank {self.final.attn_tp_rank} "
                 f"(of {self.final.attn_tp_size}) receives from prefill ranks {list(self.senders)} "
@@ -146,11 +152,7 @@ class Landing:
             raise_repeat("final_pages", dst)
         contiguous = int(land[-1]) - int(land[0]) == n - 1 and bool((np.diff(land) == 1).all())
         source: slice | NDArray[np.int64] = slice(int(land[0]), int(land[0]) + n) if contiguous else land
-        copy = _Copy(s)
-        jobs = [
-            (copy.view(self._memory[i], s.src_page_bytes), copy.view(f, s.dst_page_bytes))
-            for i, f in enumerate(self._final)
-        ]
+        copy, jobs = planned
         k = min(self._threads, len(jobs))
         if k == 1:
             copy.run_all(jobs, source, dst)
@@ -217,8 +219,8 @@ class _Copy:
             self.run(src, out, source, dst)
 
 
-def _check_final(final: KVLayout, prefill_tp: int) -> tuple[int, HeadLayout]:
-    """The decode rank and its senders' heads; ConfigError/LayoutError naming what does not fit a landing pool."""
+def _check_final(final: KVLayout, prefill_tp: int) -> tuple[int, int, HeadLayout]:
+    """The decode rank, the prefill TP size and its ranks' heads; ConfigError/LayoutError naming what does not fit."""
     if not isinstance(final, KVLayout):
         raise ConfigError(f"Landing: final must be a kvwire.KVLayout, got {type(final).__name__}")
     d_tp, rank, heads = final.attn_tp_size, final.attn_tp_rank, final.heads
@@ -244,7 +246,7 @@ def _check_final(final: KVLayout, prefill_tp: int) -> tuple[int, HeadLayout]:
                 f"Landing: final buffer {i} (layer {b.layer}, {b.role}) is {b.memory} memory; "
                 "the landing scatter copies on the CPU, so every KV buffer must be host memory"
             )
-    return rank, own
+    return rank, tp, own
 
 
 def _kv_name(i: int, buf: KVBuffer) -> str:
