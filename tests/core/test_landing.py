@@ -335,9 +335,10 @@ def test_an_unsuitable_decode_layout_is_refused_at_construction() -> None:
         Landing(device, 4, 4)
 
 
-def test_a_closed_landing_scatters_nothing() -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_closed_landing_scatters_nothing(threads: int) -> None:
     final = spec(1, 0).allocate(2)
-    landing = Landing(final.layout, 2, 4)
+    landing = Landing(final.layout, 2, 4, threads=threads)
     reserved = landing.reserve(1)
     assert reserved is not None
     before = final.digest()

@@ -154,12 +154,12 @@ class Landing:
         source: slice | NDArray[np.int64] = slice(int(land[0]), int(land[0]) + n) if contiguous else land
         copy, jobs = planned
         k = min(self._threads, len(jobs))
-        if k == 1:
-            copy.run_all(jobs, source, dst)
-            return
         with self._lock:
             if self._closed:
                 raise InvalidTransferError("the Landing is closed; nothing was scattered")
+            if k == 1:  # on this thread, holding the lock so close() waits for it
+                copy.run_all(jobs, source, dst)
+                return
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="kvwire-landing")
             pool = self._pool
