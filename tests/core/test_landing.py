@@ -346,3 +346,25 @@ def test_a_closed_landing_scatters_nothing(threads: int) -> None:
     with pytest.raises(InvalidTransferError, match=re.escape("the Landing is closed; nothing was scattered")):
         landing.scatter(0, reserved[0], np.array([1]))
     assert final.digest() == before
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_senders_scattered_from_two_host_threads_at_once_match_the_oracle(threads: int) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(17)
+    src, dst = rng.permutation(PAGES)[:32], rng.permutation(PAGES)[:32]
+    prefill = [spec(4, p).allocate(40 + p) for p in range(4)]
+    final = spec(1, 0).allocate(4)
+    with Landing(final.layout, 4, 128, threads=threads) as landing:
+        reserved = landing.reserve(32)
+        assert reserved is not None
+        for p, pages in reserved.items():
+            _land(landing, prefill[p], src, pages)
+        with ThreadPoolExecutor(4) as host:  # each sender's arrival handled on its own host thread
+            for done in [host.submit(landing.scatter, p, pages, dst) for p, pages in reserved.items()]:
+                done.result()
+    expected = oracle(
+        [(spec(4, p), prefill[p].views) for p in range(4)], spec(1, 0), spec(1, 0).allocate(4).views, src, dst
+    )
+    assert all(np.array_equal(v, e) for v, e in zip(final.views, expected))
