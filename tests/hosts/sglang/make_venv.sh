@@ -6,7 +6,7 @@
 #
 # Everything is installed --no-deps: sglang's declared dependencies pull a CUDA torch of several GB.
 # Order: pip/setuptools bootstrap, sglang==0.5.23, the local CPU torch wheel, requirements.txt, the
-# torchvision stub, the Mooncake engine, kvwire core, plugins/mooncake, plugins/hisparse and hosts/sglang
+# torchvision and sgl_kernel stubs, the Mooncake engine, kvwire core, plugins/mooncake, plugins/hisparse and hosts/sglang
 # (editable; kvwire-hisparse so that the prefill serves HiSparse split destinations, as a deployment would).
 #
 # Idempotent: VENV/.kvwire-sglang-stamp holds a sha256 over requirements.txt, this script and the
@@ -34,6 +34,7 @@ MOONCAKE_ENGINE="${MOONCAKE_ENGINE:-mooncake-transfer-engine-non-cuda==0.3.13.po
 BOOTSTRAP=(pip==26.3 setuptools==84.2.1)  # setuptools>=77 builds kvwire's pyproject without isolation
 REQUIREMENTS="$HERE/requirements.txt"
 STUB="$HERE/torchvision_stub"
+KERNEL_STUB="$HERE/sgl_kernel_stub"
 STAMP="$VENV/.kvwire-sglang-stamp"
 INDEX_URL="${PIP_INDEX_URL:-https://pypi.org/simple}"
 
@@ -43,7 +44,9 @@ REPO_HOSTS="$(cd "$HERE/.." && pwd)"
 stamp_inputs() {
     printf '%s\n' "$SGLANG" "$TORCH_WHEEL" "$MOONCAKE_ENGINE" "${BOOTSTRAP[@]}"
     cat "$REQUIREMENTS"
-    (cd "$STUB" && find . -type f \( -name '*.py' -o -name '*.toml' \) -not -path '*/build/*' | LC_ALL=C sort | xargs cat)
+    for stub in "$STUB" "$KERNEL_STUB"; do
+        (cd "$stub" && find . -type f \( -name '*.py' -o -name '*.toml' \) -not -path '*/build/*' | LC_ALL=C sort | xargs cat)
+    done
 }
 # shellcheck source=../venv_common.sh
 source "$REPO_HOSTS/venv_common.sh"
@@ -54,19 +57,24 @@ pip_install "${BOOTSTRAP[@]}"
 pip_install "$SGLANG"
 pip_install "$TORCH_WHEEL"
 pip_install -r "$REQUIREMENTS"
-# Build the stub from a copy so no build/ or *.egg-info lands in the source tree.
-STUB_COPY="$(mktemp -d)"
-trap 'rm -rf "$STUB_COPY"' EXIT
-cp -r "$STUB/." "$STUB_COPY/"
-rm -rf "$STUB_COPY/build" "$STUB_COPY"/*.egg-info
-pip_install --no-build-isolation "$STUB_COPY"
+# Build each stub from a copy so no build/ or *.egg-info lands in the source tree.
+STUB_COPIES="$(mktemp -d)"
+trap 'rm -rf "$STUB_COPIES"' EXIT
+for stub in "$STUB" "$KERNEL_STUB"; do
+    copy="$STUB_COPIES/$(basename "$stub")"
+    cp -r "$stub/." "$copy/"
+    rm -rf "$copy/build" "$copy"/*.egg-info
+    pip_install --no-build-isolation "$copy"
+done
 pip_install "$MOONCAKE_ENGINE"
 check_pin_against_repo "$MOONCAKE_ENGINE"
 pip_install --no-build-isolation -e "$REPO/core" -e "$REPO/plugins/mooncake" -e "$REPO/plugins/hisparse" \
     -e "$REPO/hosts/sglang"
 
 # Fail here, not in the tests, if the chain no longer imports.
-"$VENV/bin/python" -W ignore -c "import sglang.srt.disaggregation.mooncake.conn, kvwire, kvwire_mooncake, kvwire_hisparse" \
+SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -W ignore -c "import sglang.srt.disaggregation.mooncake.conn, kvwire, \
+kvwire_mooncake, kvwire_hisparse, sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler, \
+sglang.srt.managers.tokenizer_manager, sglang.srt.managers.detokenizer_manager, sglang_router.launch_router" \
     || die 1 "import check failed in $VENV"
 
 write_stamp

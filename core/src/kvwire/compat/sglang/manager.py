@@ -95,6 +95,44 @@ def peer_heads(local: HeadLayout, peer: KVLayout) -> HeadLayout:
     return HeadLayout(kv_heads, local.total_kv_heads, item // per_token, 1, local.tokens_per_page)
 
 
+def sglang_metrics(server_args: Any, backend: str) -> list[object]:
+    """kvwire's metrics middleware when sglang runs with ``--enable-metrics``, else none.
+
+    sglang's schedulers are subprocesses whose metrics reach the HTTP server's ``/metrics`` through
+    prometheus_client's multiprocess mode (sglang sets ``PROMETHEUS_MULTIPROC_DIR`` before starting
+    them); kvwire's families on prometheus_client's default registry go the same way, so the
+    ``kvwire_send_*`` series appear on sglang's own ``/metrics`` next to sglang's.
+    """
+    if not getattr(server_args, "enable_metrics", False):
+        return []
+    try:
+        from kvwire.metrics import default_metrics
+
+        return [default_metrics().middleware(backend)]
+    except ImportError as exc:
+        log.warning("kvwire: --enable-metrics, but kvwire's metrics are off: %s", exc)
+        return []
+
+
+def activation_line(connection: Any, server_args: Any, layout: KVLayout) -> str:
+    """The one line a process logs when kvwire carries its KV: what runs, which versions, which role."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def dist_version(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "?"
+
+    info = default_registry().get(connection.name)
+    return (
+        f"kvwire {dist_version('kvwire')} active in sglang {dist_version('sglang')} "
+        f"({getattr(server_args, 'disaggregation_mode', '?')}): backend {connection.name!r} "
+        f"({info.distribution} {info.version}, spec {connection.spec_version}), {layout.attention} layout of "
+        f"{len(layout.buffers)} buffers, attention TP {layout.attn_tp_rank}/{layout.attn_tp_size}"
+    )
+
+
 def default_backend() -> str:
     """``hisparse`` when kvwire-hisparse is installed and allowed, else ``mooncake``.
 
@@ -145,12 +183,14 @@ class KvwireManagerMixin(KvwireSendMixin):
         self._kvwire_registered: dict[str, KVLayout] = {}
         self.kvwire_layout = self.kvwire_local_layout()
         config = BackendConfig(options={"engine": self.engine.engine, "host_registered": True})
-        self.kvwire_connection = connect(self.kvwire_backend or default_backend(), config)
+        backend = self.kvwire_backend or default_backend()
+        self.kvwire_connection = connect(backend, config, middleware=sglang_metrics(self.server_args, backend))
         try:
             self.kvwire_connection.register_kv_buffers(self.kvwire_layout)
         except BaseException:
             self.kvwire_connection.close()
             raise
+        log.info("%s", activation_line(self.kvwire_connection, self.server_args, self.kvwire_layout))
 
     def kvwire_local_layout(self) -> KVLayout:
         """This rank's layout, from sglang's ``kv_args`` (host memory when sglang runs on CPU).
