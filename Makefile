@@ -78,8 +78,9 @@ test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
+# --dist loadgroup: tests marked with one xdist_group (a deployment of real servers) run on one worker, in order.
 test-all: setup
-	$(PYTEST) -m slow tests
+	$(PYTEST) --dist loadgroup -m slow tests
 
 bench: setup
 	$(PY) bench/planning.py

@@ -11,6 +11,7 @@ Used by ``run.py`` (the example) and by kvwire's deployment tests, so both start
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -95,10 +96,8 @@ class Process:
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the whole process group (sglang's scheduler subprocesses included) and reap the leader."""
         if self.popen.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.popen.pid, sig)
-            except ProcessLookupError:
-                pass
         try:
             self.popen.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -108,10 +107,8 @@ class Process:
     def stop(self) -> None:
         """SIGTERM, then SIGKILL of whatever of the group is left."""
         self.kill(signal.SIGTERM)
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def _spawn(
@@ -142,12 +139,14 @@ def start_server(
     env: Mapping[str, str] | None = None,
     netns: str | None = None,
     python: str = sys.executable,
+    name: str | None = None,
 ) -> Process:
     """``python -m sglang.launch_server`` as ``role`` (``single``, ``prefill`` or ``decode``); not yet ready.
 
     ``host`` is where the server listens and what it advertises to peers (``SGLANG_HOST_IP``). With
     ``netns`` the server runs in that network namespace (``ip netns exec``) and its ports are chosen by
-    the caller (pass ``port`` and ``bootstrap_port``).
+    the caller (pass ``port`` and ``bootstrap_port``). ``name`` (default: ``role``) names the process and
+    its log, ``log_dir/<name>.log``.
     """
     if role not in ("single", "prefill", "decode"):
         raise ValueError(f"role must be 'single', 'prefill' or 'decode', got {role!r}")
@@ -169,7 +168,7 @@ def start_server(
             argv += ["--disaggregation-decode-retraction-backup", "none"]
     argv += list(extra)
     full_env = {**CPU_ENV, "SGLANG_HOST_IP": host, "SGLANG_PLUGINS": plugins, **(env or {})}
-    process = _spawn(role, argv, full_env, log_dir, f"http://{host}:{port}", netns)
+    process = _spawn(name or role, argv, full_env, log_dir, f"http://{host}:{port}", netns)
     process.ports = ports
     return process
 
@@ -183,13 +182,14 @@ def start_router(
     port: int | None = None,
     python: str = sys.executable,
     netns: str | None = None,
+    name: str = "router",
 ) -> Process:
     """sglang's router in PD mode (``sglang_router.launch_router --pd-disaggregation --mini-lb``)."""
     port = port or free_port(host)
     argv = [python, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--mini-lb"]
     argv += ["--prefill", prefill.url, str(prefill.ports["bootstrap"]), "--decode", decode.url]
     argv += ["--host", host, "--port", str(port)]
-    return _spawn("router", argv, {}, log_dir, f"http://{host}:{port}", netns)
+    return _spawn(name, argv, {}, log_dir, f"http://{host}:{port}", netns)
 
 
 def generate(url: str, input_ids: Sequence[int], *, max_new_tokens: int = 16, timeout_s: float = 300.0) -> Any:
