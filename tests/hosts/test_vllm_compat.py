@@ -68,7 +68,7 @@ def test_kv_tensors_kvwire_cannot_move_as_blocks_are_refused_naming_layer_and_sh
     name = LAYERS[0]
     cases: list[tuple[torch.Tensor, str]] = [
         (torch.zeros(2, 8, 2, 32, 128, dtype=torch.float16), "expected vLLM's [num_blocks, num_kv_heads"),
-        (torch.zeros(8, 32, 2, 128, dtype=torch.float16).transpose(1, 2), "a block is not one contiguous run"),
+        (torch.zeros(2, 8, 32, 128, dtype=torch.float16).transpose(0, 1), "a block is not one contiguous run"),
         (torch.zeros(8, 2, 2, 32, 128, dtype=torch.float16)[:, 0], "blocks are 16384 elements apart but hold 8192"),
     ]
     for tensor, why in cases:

@@ -54,6 +54,12 @@ def _total_kv_heads(vllm_config: Any) -> int | None:
     return None if model_config is None else int(model_config.get_total_num_kv_heads())
 
 
+def _uses_mla(vllm_config: Any) -> bool:
+    """The model keeps MLA's latent cache (vLLM's ``model_config.use_mla``); False without a model config."""
+    model_config = getattr(vllm_config, "model_config", None)
+    return model_config is not None and bool(model_config.use_mla)
+
+
 class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     """vLLM's KV connector over a kvwire backend: the prefill pushes, the decode registers and receives."""
 
@@ -64,15 +70,29 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         producer, consumer = bool(transfer.is_kv_producer), bool(transfer.is_kv_consumer)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
-        heads = _total_kv_heads(vllm_config)
+        heads, mla = _total_kv_heads(vllm_config), _uses_mla(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
-            engine = EngineSide(self.settings, tp_size, producer, consumer, heads)
+            engine = EngineSide(self.settings, tp_size, producer, consumer, heads, mla)
             self.scheduler_side = SchedulerSide(engine, str(transfer.engine_id))
         else:
             rank, size = _tp()
-            self.worker_side = WorkerSide(EngineSide(self.settings, size, producer, consumer, heads), rank)
+            blocks = getattr(kv_cache_config, "num_blocks", None)
+            engine = EngineSide(self.settings, size, producer, consumer, heads, mla)
+            self.worker_side = WorkerSide(engine, rank, None if blocks is None else int(blocks))
         self._started: KVConnectorMetadata | None = None
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """``"LBHNC"`` (head-major blocks: a TP rank's heads are one run per block), None for MLA.
+
+        vLLM's engine core resolves the KV-cache layout once, from the attention backends' supported
+        layouts and this wish (``resolve_kv_cache_layout``); without it FlashAttention and Triton get the
+        token-major ``LBNHC``, which moves between equal TP sizes only. MLA's latent cache has one head,
+        so every block-compact layout is the same bytes (None, as vLLM's NixlConnector). A layout forced
+        over this (``VLLM_KV_CACHE_LAYOUT``, a backend without LBHNC) is checked at ``register_kv_caches``.
+        """
+        return None if _uses_mla(vllm_config) else "LBHNC"
 
     # -- scheduler side ------------------------------------------------------
 

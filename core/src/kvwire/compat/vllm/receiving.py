@@ -91,11 +91,11 @@ class Receiver:
                     f"request {item.request_id!r}: {len(local)} decode blocks for {len(remote.block_ids)} prefill "
                     "blocks; the decode can take at most the prefill's blocks"
                 )
-            if remote.tp_size != self._tp_size and self._local.layout.heads is None:
+            if remote.tp_size != self._tp_size and self._local.tp_refusal is not None:
                 raise InvalidTransferError(
                     f"request {item.request_id!r}: the prefill runs TP size {remote.tp_size}, this decode "
-                    f"{self._tp_size}, and this decode's KV cache is not described by KV head (the connector "
-                    "was not given the model's total KV heads)"
+                    f"{self._tp_size}, and this decode's KV cache cannot move across TP sizes: "
+                    f"{self._local.tp_refusal}"
                 )
         except (InvalidTransferError, LayoutError) as exc:
             self._fail(item.request_id, None, f"refused before anything moved: {exc}", every=True)
@@ -110,6 +110,7 @@ class Receiver:
             tp_size=self._tp_size,
             valid_for_s=max(0.001, self._deadline_of(item.request_id) - self._clock()),
             peer=self._peer,
+            block_order=self._local.order,
         )
         message = registration.to_dict()
         for rank in ranks:

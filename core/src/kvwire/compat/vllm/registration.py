@@ -6,7 +6,10 @@ One JSON object (``format`` ``"kvwire.vllm.registration"``, ``version`` 1):
 the other), ``layers`` (the decode's layer names, which must be the prefill's),
 ``tp_rank`` and ``tp_size``, ``valid_for_s`` (how much longer the decode waits: a
 write that could not end by then is not started, since the decode frees its blocks
-when it stops waiting), and ``peer``: the decode's
+when it stops waiting), ``block_order`` (how the decode's blocks hold their bytes,
+:data:`~kvwire.compat.vllm.layout.BLOCK_ORDERS`; optional, ``"head-major"`` when
+absent, the only order earlier decodes had: whole blocks move only between the
+same order), and ``peer``: the decode's
 :class:`kvwire.PeerDescription` (its backend endpoint and KV layout). It comes
 from another process, so it is parsed strictly: :class:`Registration.from_dict`
 raises :class:`kvwire.InvalidTransferError` or :class:`kvwire.LayoutError` naming
@@ -18,8 +21,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, cast
 
+from kvwire.compat.vllm.layout import BLOCK_ORDERS, BlockOrder
 from kvwire.errors import InvalidTransferError
 from kvwire.layout.peer import PeerDescription
 
@@ -47,6 +51,7 @@ _FIELDS: Final = frozenset(
         "tp_rank",
         "tp_size",
         "valid_for_s",
+        "block_order",
         "peer",
     }
 )
@@ -130,6 +135,7 @@ class Registration:
     tp_size: int
     valid_for_s: float
     peer: PeerDescription
+    block_order: BlockOrder = "head-major"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -144,6 +150,7 @@ class Registration:
             "tp_rank": self.tp_rank,
             "tp_size": self.tp_size,
             "valid_for_s": self.valid_for_s,
+            "block_order": self.block_order,
             "peer": self.peer.to_dict(),
         }
 
@@ -172,6 +179,11 @@ class Registration:
             raise InvalidTransferError(
                 f"registration: 'valid_for_s' must be a number of seconds > 0, got {valid!r:.40}"
             )
+        order = data.get("block_order", "head-major")
+        if not isinstance(order, str) or order not in BLOCK_ORDERS:
+            raise InvalidTransferError(
+                f"registration: 'block_order' must be one of {sorted(BLOCK_ORDERS)}, got {order!r:.40}"
+            )
         layers = data.get("layers")
         if not isinstance(layers, list) or not all(isinstance(n, str) for n in layers):
             raise InvalidTransferError(f"registration: 'layers' must be a list of layer names, got {layers!r:.80}")
@@ -185,4 +197,5 @@ class Registration:
             tp_size=_int(data, "tp_size", 1),
             valid_for_s=float(valid),
             peer=PeerDescription.from_dict(data.get("peer")),
+            block_order=cast(BlockOrder, order),
         )

@@ -42,7 +42,7 @@ class SchedulerSide:
 
     def __init__(self, engine: EngineSide, engine_id: str) -> None:
         self.settings, self.tp_size, self.total_kv_heads = engine.settings, engine.tp_size, engine.total_kv_heads
-        self.producer, self.consumer = engine.producer, engine.consumer
+        self.producer, self.consumer, self.mla = engine.producer, engine.consumer, engine.mla
         self.engine_id = engine_id
         self._to_send: list[ReadyToSend] = []
         self._to_receive: list[ToReceive] = []
@@ -89,6 +89,8 @@ class SchedulerSide:
             )
         if big % small:
             return "across TP sizes the larger must be a multiple of the smaller"
+        if self.mla:  # every rank holds the whole latent
+            return None
         if (total >= prefill_tp and total % prefill_tp) or (total < prefill_tp and prefill_tp % total):
             return f"the model's {total} KV heads do not split over the prefill's {prefill_tp} ranks"
         return None

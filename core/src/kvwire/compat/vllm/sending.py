@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from kvwire.compat.vllm.layout import BLOCK_ORDERS
 from kvwire.compat.vllm.metadata import ReadyToSend
 from kvwire.compat.vllm.rank import KEPT_FAILURES, WorkerRank
 from kvwire.compat.vllm.registration import Registration, notification_for
@@ -112,6 +113,13 @@ class Sender:
                 f"({len(reg.layers)}) are not this prefill's {list(self._local.layer_names)[:4]}... "
                 f"({len(self._local.layer_names)}): run the same model on both sides"
             )
+        if reg.block_order != self._local.order:
+            raise InvalidTransferError(
+                f"registration for {reg.prefill_request_id!r}: the decode's blocks are {reg.block_order} "
+                f"({BLOCK_ORDERS[reg.block_order]}), this prefill's {self._local.order} "
+                f"({BLOCK_ORDERS[self._local.order]}): a whole block would land with its bytes in another order; "
+                "run both sides with the same KV-cache layout and attention kind (nothing was sent)"
+            )
         if reg.tp_size == self._tp_size:
             if reg.tp_rank != self._tp_rank:
                 raise InvalidTransferError(
@@ -131,17 +139,21 @@ class Sender:
                 )
 
     def _check_across_tp(self, reg: Registration) -> None:
-        """A decode of another TP size: both layouts record heads, and this rank is one of its senders."""
+        """A decode of another TP size: both layouts record their TP rank (and heads, but for MLA), and this
+        rank is one of its senders."""
         what = (
             f"registration for {reg.prefill_request_id!r}: the decode is TP rank {reg.tp_rank} of {reg.tp_size}, "
             f"this prefill worker rank {self._tp_rank} of {self._tp_size}"
         )
         local, peer = self._local.layout, reg.peer.layout
-        if local.heads is None or peer.heads is None:
-            side = "this prefill's" if local.heads is None else "the decode's"
+        if self._local.tp_refusal is not None:
             raise InvalidTransferError(
-                f"{what}: different TP sizes need both KV caches described by KV head, and {side} is not (its "
-                "connector was not given the model's total KV heads: vllm_config.model_config)"
+                f"{what}: this prefill's KV cache cannot move across TP sizes: {self._local.tp_refusal}"
+            )
+        if peer.attn_tp_rank is None or (reg.block_order != "latent" and peer.heads is None):
+            raise InvalidTransferError(
+                f"{what}: different TP sizes need both KV caches described by KV head, and the "
+                "decode's is not (its connector was not given the model's total KV heads: vllm_config.model_config)"
             )
         if (peer.attn_tp_size, peer.attn_tp_rank) != (reg.tp_size, reg.tp_rank):
             raise InvalidTransferError(

@@ -141,7 +141,8 @@ class EngineSide:
     """What a connector knows of its engine: the settings, its TP size, its role and the model's KV heads.
 
     ``total_kv_heads`` is the model's (vLLM's ``model_config.get_total_num_kv_heads()``), or None when
-    unknown: then only prefills of this engine's TP size are served.
+    unknown: then only prefills of this engine's TP size are served. ``mla`` (``model_config.use_mla``):
+    the KV cache is MLA's latent, the same on every TP rank, so the KV heads do not matter across TP sizes.
     """
 
     settings: ConnectorSettings
@@ -149,3 +150,4 @@ class EngineSide:
     producer: bool
     consumer: bool
     total_kv_heads: int | None = None
+    mla: bool = False

@@ -35,13 +35,14 @@ class WorkerSide:
     """One vLLM worker's transfers (TP rank ``tp_rank`` of ``tp_size``).
 
     ``total_kv_heads`` (the model's; None where unknown) lets it exchange blocks with a prefill or decode
-    of another TP size, head by head.
+    of another TP size, head by head. ``num_blocks`` is vLLM's block count (``kv_cache_config.num_blocks``;
+    None: one kernel block per block), which tells blocks split into kernel blocks from whole ones.
     """
 
-    def __init__(self, engine: EngineSide, tp_rank: int) -> None:
+    def __init__(self, engine: EngineSide, tp_rank: int, num_blocks: int | None = None) -> None:
         self.settings, self.tp_size, self.total_kv_heads = engine.settings, engine.tp_size, engine.total_kv_heads
-        self.producer, self.consumer = engine.producer, engine.consumer
-        self.tp_rank = tp_rank
+        self.producer, self.consumer, self.mla = engine.producer, engine.consumer, engine.mla
+        self.tp_rank, self.num_blocks = tp_rank, num_blocks
         self.local: VllmLayout | None = None
         self.connection: Connection | None = None
         self.sender: Sender | None = None
@@ -54,7 +55,15 @@ class WorkerSide:
         if self.connection is not None:
             raise ConfigError("register_kv_caches was called twice; kvwire's connector registers its KV cache once")
         # LayoutError naming the layer before anything is opened
-        local = layout_from_kv_caches(kv_caches, self.tp_size, self.tp_rank, self.total_kv_heads)
+        local = layout_from_kv_caches(
+            kv_caches, self.tp_size, self.tp_rank, self.total_kv_heads, mla=self.mla, num_blocks=self.num_blocks
+        )
+        if local.order == "token-major":  # what vLLM gives when a layout is forced over the connector's wish
+            log.warning(
+                "kvwire: the KV cache is token-major (LBNHC): whole blocks move between equal TP sizes; a prefill "
+                "or decode of another TP size will be refused: %s",
+                local.tp_refusal,
+            )
         settings = self.settings
         connection = connect(settings.backend, settings.backend_config)
         try:
@@ -74,9 +83,10 @@ class WorkerSide:
             raise
         self.local, self.connection = local, connection
         log.info(
-            "kvwire: %d layers x %d blocks of %d bytes registered with backend %r (endpoint %.60s)",
+            "kvwire: %d layers x %d %s blocks of %d bytes registered with backend %r (endpoint %.60s)",
             len(local.layer_names),
             local.num_blocks,
+            local.order,
             local.block_bytes,
             settings.backend,
             connection.endpoint(),
