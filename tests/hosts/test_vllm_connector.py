@@ -83,8 +83,9 @@ def test_vllms_factory_and_scheduler_run_the_kvwire_connector(vllm_python: Path)
     assert factory["bad_shape"] == [
         "kvwire.layout.buffers.LayoutError",
         "layer 'model.layers.0.self_attn.attn' (shape [2, 8, 2, 32, 128], stride [65536, 8192, 4096, 128, 1]): "
-        "expected vLLM's [num_blocks, num_kv_heads, block_size, 2 * head_size] KV tensor; other KV-cache shapes "
-        "(a leading K/V dimension of 2, MLA's 3-d latent cache) are not supported",
+        "expected vLLM's [num_blocks, num_kv_heads, block_size, head_size + head_size_v] KV tensor (or an MLA "
+        "latent [num_blocks, block_size, latent]); other KV-cache shapes (a raw buffer, a leading K/V dimension of "
+        "2) are not supported",
     ]
     # the producer keeps its blocks and hands the decode's params; the next schedule() tells its workers
     params = sched["producer_params"]
@@ -113,7 +114,10 @@ def pair(request: pytest.FixtureRequest, vllm_python: Path) -> Iterator[tuple[No
     extra = _extra(backend, _free_port())
     prefill, decode = NodeProcess(vllm_python, f"{backend} prefill"), NodeProcess(vllm_python, f"{backend} decode")
     try:
-        prefill.call("start", role="prefill", extra=extra)
+        started = prefill.call("start", role="prefill", extra=extra)
+        # FlashAttention's layout, resolved by vLLM with the connector's wish (LBNHC without it): head-major
+        assert started["attn_backend"] == "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"
+        assert (started["layout"], started["kv_stride"]) == ("LBHNC", [8192, 4096, 128, 1]), started
         decode.call("start", role="decode", extra=extra, filler_tokens=PROMPT)
         yield prefill, decode, backend
     finally:

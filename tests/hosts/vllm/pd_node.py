@@ -2,18 +2,23 @@
 
     VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python tests/hosts/vllm/pd_node.py
 
-What runs is vLLM 0.33.0's own code, except the model: a ``VllmConfig`` with a tiny local Llama config (no
-weights), vLLM's v1 ``Scheduler`` (which creates the SCHEDULER-role connector through ``KVConnectorFactory``),
-world-size-1 gloo groups, ``ensure_kv_transfer_initialized`` (the WORKER-role connector, through the factory),
-the KV cache from ``allocate_kv_cache``, and each step's worker hooks through the model runner's own
+What runs is vLLM 0.33.0's own code, except the model: a ``VllmConfig`` with a tiny local Llama config, or a
+tiny DeepSeek-V2 one (MLA) (no weights), vLLM's v1 ``Scheduler`` (which creates the SCHEDULER-role connector
+through ``KVConnectorFactory``), world-size-1 gloo groups, ``ensure_kv_transfer_initialized`` (the WORKER-role
+connector, through the factory), the KV cache built as the engine core builds it for the named attention
+backend (:mod:`engine_kv`: vLLM resolves the layout from the backend's supported layouts and the connector's
+``get_required_kvcache_layout``; nothing here sets one), and each step's worker hooks through the model runner's own
 ``KVConnectorModelRunnerMixin._get_kv_connector_output`` (bind, start_load_kv, wait_for_save,
 get_transfer_results, get_block_ids_with_load_errors, clear), or ``kv_connector_no_forward`` when nothing is
 scheduled. The "forward" of a prefill writes seeded random bytes into the scheduled request's blocks of every
 layer; a decode's writes nothing. Commands (kvwire.control.serve):
 
   start   {role: prefill|decode, connector, module, extra, filler_tokens, num_blocks, layers, heads, head_size,
-           tp_size, tp_rank, dist_port}   (one node per TP rank: tp_size nodes start together on dist_port, each
-                                           with its own Scheduler and max(1, heads // tp_size) KV heads)
+           mla, attn_backend, tp_size, tp_rank, dist_port}
+          -> num_blocks, pid, the attention backend, its supported layouts, the layout vLLM resolved, the KV
+             tensors' shape and strides, kernel blocks per block
+          (one node per TP rank: tp_size nodes start together on dist_port, each with its own Scheduler and
+           max(1, heads // tp_size) KV heads)
   prefill {req_id, n_tokens, seed}            -> kv_transfer_params, block ids, per-block digests, t_finished
   decode  {req_id, n_tokens, params, timeout_s, check_untouched}
                                               -> block ids, digests, t_finished_recving, invalid blocks, status
@@ -44,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import probe_scheduler  # noqa: E402  (next to this script: sys.path[0])
 import torch  # noqa: E402
+from engine_kv import TINY_DEEPSEEK, engine_kv_caches  # noqa: E402
 from vllm.config import (  # noqa: E402
     DeviceConfig,
     KVTransferConfig,
@@ -60,18 +66,15 @@ from vllm.distributed.kv_transfer.kv_transfer_state import (  # noqa: E402
 from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel  # noqa: E402
 from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin  # noqa: E402
-from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from kvwire.control import serve  # noqa: E402
 
-TINY_LLAMA = {**probe_scheduler.TINY_LLAMA, "max_position_embeddings": 4096}  # longer prompts than the probe's
+TINY_LLAMA = {**probe_scheduler.TINY_LLAMA, "max_position_embeddings": 65536}  # longer prompts than the probe's
 BLOCK_SIZE, HEADS, HEAD_SIZE = 32, 2, 64  # a multiple of 32: the CPU backend's kernel block sizes, and NIXL's
 STEP_PAUSE_S = 0.0002  # between engine steps, as an idle engine loop would poll
 
@@ -93,16 +96,24 @@ class Node:
             int(msg.get("head_size", HEAD_SIZE)),
         )
         tp_size, tp_rank = int(msg.get("tp_size", 1)), int(msg.get("tp_rank", 0))
+        num_blocks = int(msg.get("num_blocks", 64))
         self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-        model = dict(TINY_LLAMA, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads)
-        model.update(head_dim=head_size, hidden_size=heads * head_size)
+        if msg.get("mla"):
+            model = dict(TINY_DEEPSEEK, num_hidden_layers=layers, first_k_dense_replace=layers)
+            name = f"kvwire-vllm-tiny-deepseek-{layers}"
+        else:
+            model = dict(TINY_LLAMA, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads)
+            model.update(head_dim=head_size, hidden_size=heads * head_size)
+            name = f"kvwire-vllm-tiny-llama-{layers}x{heads}x{head_size}"
         # one path for both sides: vLLM's NIXL handshake hashes the model name into its compatibility check
-        self.model_dir = os.path.join(tempfile.gettempdir(), f"kvwire-vllm-tiny-llama-{layers}x{heads}x{head_size}")
+        self.model_dir = os.path.join(tempfile.gettempdir(), name)
         os.makedirs(self.model_dir, exist_ok=True)
         staged = Path(self.model_dir) / f"config.json.{os.getpid()}"
         staged.write_text(json.dumps(model))
         os.replace(staged, Path(self.model_dir) / "config.json")
-        model_config = ModelConfig(model=self.model_dir, skip_tokenizer_init=True, dtype="float16", max_model_len=4096)
+        model_config = ModelConfig(  # vLLM keeps KV memory for one request of max_model_len tokens
+            model=self.model_dir, skip_tokenizer_init=True, dtype="float16", max_model_len=(num_blocks - 1) * BLOCK_SIZE
+        )
         self.config = VllmConfig(
             model_config=model_config,
             device_config=DeviceConfig(device="cpu"),
@@ -116,20 +127,13 @@ class Node:
             ),
         )
         self.config.cache_config.block_size = BLOCK_SIZE
-        self.config.cache_config.kv_cache_layout = "LBHNC"  # what the engine core resolves for CPU_ATTN
-        rank_heads = max(1, heads // tp_size)  # vLLM's split: fewer KV heads than ranks replicates them
-        spec = FullAttentionSpec(
-            block_size=BLOCK_SIZE, num_kv_heads=rank_heads, head_size=head_size, dtype=torch.float16
-        )
-        num_blocks = int(msg.get("num_blocks", 64))
-        self.kvc = get_kv_cache_config_from_groups(
-            self.config,
-            [KVCacheGroupSpec(list(self.layers), spec)],
-            available_memory=num_blocks * spec.page_size_bytes * layers,
-        )
-        self.config.cache_config.num_gpu_blocks = self.kvc.num_blocks
         self._ctx = set_current_vllm_config(self.config)
         self._ctx.__enter__()
+        # the engine core's order: resolve the layout, plan the KV cache, allocate it (the model runner's)
+        self.engine_kv = engine_kv_caches(
+            self.config, str(msg.get("attn_backend", "FLASH_ATTN")), list(self.layers), num_blocks
+        )
+        self.kvc = self.engine_kv.kv_cache_config
         dist = f"tcp://127.0.0.1:{int(msg.get('dist_port') or _free_port())}"
         init_distributed_environment(tp_size, tp_rank, dist, tp_rank, backend="gloo")
         initialize_model_parallel(tp_size, 1)
@@ -151,8 +155,9 @@ class Node:
         self.scheduler.connector.update_state_after_alloc = noting_blocks
         ensure_kv_transfer_initialized(self.config, self.kvc)
         self.worker = get_kv_transfer_group()
-        layout = self.config.cache_config.get_resolved_kv_cache_layout()
-        self.kv_caches = allocate_kv_cache(self.kvc, torch.device("cpu"), layout)
+        self.kv_caches = self.engine_kv.kv_caches
+        first = next(iter(self.kv_caches.values()))
+        self.split = first.shape[0] // self.kvc.num_blocks  # kernel blocks per block (the backend's kernels)
         self.worker.register_kv_caches(self.kv_caches)
         handshake = self.worker.get_handshake_metadata()
         if handshake is not None:  # vLLM's NIXL connectors: the engine core hands it to the scheduler side
@@ -177,6 +182,10 @@ class Node:
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
         return Request(req_id, [3 + (i % 900) for i in range(n)], sp, None)
 
+    def block(self, layer: str, b: int) -> torch.Tensor:
+        """Block ``b`` (vLLM's block id) of ``layer``: its kernel blocks, one contiguous run."""
+        return self.kv_caches[layer][b * self.split : (b + 1) * self.split]
+
     def _forward(self, out: Any) -> None:
         """The model's KV writes: seeded random bytes into each newly scheduled prefill request's blocks."""
         for new in out.scheduled_new_reqs:
@@ -186,7 +195,7 @@ class Node:
             gen = torch.Generator().manual_seed(seed)
             for layer in self.layers:
                 for b in new.block_ids[0]:
-                    page = self.kv_caches[layer][b].view(torch.int16)
+                    page = self.block(layer, b).view(torch.int16)
                     page.copy_(torch.randint(-32768, 32767, page.shape, generator=gen, dtype=torch.int16))
             # hashed here, inside the forward: before request_finished, outside the timed span
             blocks = list(new.block_ids[0])
@@ -243,7 +252,7 @@ class Node:
         """Per layer, the sha256 of each block's bytes (in ``block_ids`` order)."""
         return {
             layer: [
-                hashlib.sha256(self.kv_caches[layer][b].contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                hashlib.sha256(self.block(layer, b).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
                 for b in block_ids
             ]
             for layer in self.layers
@@ -256,7 +265,7 @@ class Node:
                 layer: [
                     [
                         hashlib.sha256(head.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-                        for head in self.kv_caches[layer][b]
+                        for head in self.block(layer, b).transpose(0, 1)
                     ]
                     for b in msg["block_ids"]
                 ]
@@ -329,7 +338,19 @@ def main() -> None:
     def start(msg: dict[str, Any]) -> dict[str, Any]:
         nonlocal node
         node = Node(msg)
-        return {"ok": True, "num_blocks": node.kvc.num_blocks, "pid": os.getpid()}
+        first = next(iter(node.kv_caches.values()))
+        return {
+            "ok": True,
+            "num_blocks": node.kvc.num_blocks,
+            "pid": os.getpid(),
+            "attn_backend": node.engine_kv.backend,
+            "supported_layouts": node.engine_kv.supported,
+            "layout": node.engine_kv.layout,
+            "kv_shape": list(first.shape),
+            "kv_stride": list(first.stride()),
+            "split": node.split,
+            "use_mla": bool(node.config.model_config.use_mla),
+        }
 
     def call(name: str) -> Any:
         def run(msg: dict[str, Any]) -> dict[str, Any]:

@@ -34,6 +34,8 @@ from vllm.config import DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig 
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend  # noqa: E402
+from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout  # noqa: E402
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # noqa: E402
@@ -61,7 +63,9 @@ def config(kv_role: str, extra: dict[str, Any], model_dir: str | None = None) ->
             kv_connector_extra_config=extra,
         ),
     )
-    cfg.cache_config.kv_cache_layout = "LBHNC"
+    # the engine core resolves the layout once, from the backends' layouts and the connector's wish
+    supported = [layout.name for layout in get_supported_kv_cache_layouts([FlashAttentionBackend])]
+    resolve_kv_cache_layout(cfg, [supported])
     return cfg
 
 
