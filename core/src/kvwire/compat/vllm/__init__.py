@@ -12,6 +12,7 @@ imported when ``KvwireConnector`` is first looked up, so everything else here is
 - :mod:`~kvwire.compat.vllm.metadata`: what the scheduler side hands the workers each step;
 - :mod:`~kvwire.compat.vllm.registration` and :mod:`~kvwire.compat.vllm.channel`: the decode's
   registration and the side channel it travels on;
+- :mod:`~kvwire.compat.vllm.notices`: the prefill's notice that a write it had accepted failed;
 - :mod:`~kvwire.compat.vllm.scheduler`, :mod:`~kvwire.compat.vllm.sending`,
   :mod:`~kvwire.compat.vllm.receiving`, :mod:`~kvwire.compat.vllm.worker`: the two sides' logic.
 """

@@ -7,9 +7,10 @@ decode's: prefix-cache hits here shorten the decode's list) and sends a
 :class:`~kvwire.compat.vllm.registration.Registration` to the prefill worker of
 its TP rank. The request is done when the prefill's arrival notification comes
 (the bytes are in place by then), and failed when the prefill refuses, cannot be
-reached, or nothing arrives within ``load_timeout_s``: then it is reported in
-``finished_recving`` and its blocks by ``get_block_ids_with_load_errors`` in
-the same step, as vLLM asks.
+reached, sends a failure notice for a write it had accepted
+(:mod:`~kvwire.compat.vllm.notices`), or nothing arrives within
+``load_timeout_s``: then it is reported in ``finished_recving`` and its blocks
+by ``get_block_ids_with_load_errors`` in the same step, as vLLM asks.
 
 A prefill of another TP size ``P`` (this decode rank ``d`` of ``D``): the
 worker registers with every prefill rank that sends to it
@@ -31,6 +32,7 @@ from typing import Any
 
 from kvwire.compat.vllm.channel import RegistrationClient, ReplyCallback
 from kvwire.compat.vllm.metadata import ToReceive
+from kvwire.compat.vllm.notices import FailureNotice, parse_failure_notice
 from kvwire.compat.vllm.rank import KEPT_FAILURES, WorkerRank
 from kvwire.compat.vllm.registration import Registration, parse_notification
 from kvwire.errors import InvalidTransferError
@@ -148,6 +150,10 @@ class Receiver:
             pending.settled.update(pending.senders if every else (rank,))
 
     def _on_arrival(self, arrival: Arrival) -> None:
+        notice = parse_failure_notice(arrival.notification.message)
+        if notice is not None:
+            self._failed_write(notice)
+            return
         parsed = parse_notification(arrival.notification.message)
         if parsed is None:
             return
@@ -157,6 +163,16 @@ class Receiver:
             if pending is not None and rank in pending.senders:
                 pending.arrived.add(rank)
                 pending.settled.add(rank)
+
+    def _failed_write(self, notice: FailureNotice) -> None:
+        """A sender's write failed: that sender is settled, and the request fails once every sender is."""
+        with self._lock:
+            pending = self._pending.get(notice.request_id)
+            if pending is None or notice.prefill_rank not in pending.senders:
+                return  # not a request of this rank, or not from one of its senders
+        rank = notice.prefill_rank
+        who = "the prefill" if rank is None else f"prefill rank {rank}"
+        self._fail(notice.request_id, rank, f"{who} failed writing its blocks: {notice.reason}")
 
     def finished(self) -> set[str]:
         """Requests done receiving (arrived, or failed: their blocks then go to :meth:`load_errors`)."""

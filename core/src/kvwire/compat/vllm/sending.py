@@ -6,12 +6,15 @@ metadata) and the decode's :class:`~kvwire.compat.vllm.registration.Registration
 (:meth:`Sender.handle`, on the side channel's thread). Then one
 ``submit_kvcache`` writes every layer's blocks, with the decode's request id as
 the arrival notification, and the request is reported in ``finished_sending``
-when the write ends (vLLM then frees the blocks). A request nobody registers for
-within the lease is reported all the same, so its blocks are freed.
+when the write ends (vLLM then frees the blocks). A write that fails sends the
+decode a failure notice (:mod:`~kvwire.compat.vllm.notices`), so the decode frees
+its blocks at once. A request nobody registers for within the lease is reported
+all the same, so its blocks are freed.
 
 Checked before anything moves, each refusal answered to the decode as
-``{"error": ...}``: the layer names, the TP size and rank, every block id against
-the two layouts, and that the prefill block ids are the ones the request holds
+``{"error": ...}``: the layer names, the order of the blocks' bytes (head-major,
+token-major, MLA latent: the same on both sides), the TP size and rank, every
+block id against the two layouts, and that the prefill block ids are the ones the request holds
 (a decode cannot read another request's blocks).
 
 Equal TP sizes: rank ``r`` writes decode rank ``r``'s whole blocks. Different
@@ -37,6 +40,7 @@ import numpy as np
 
 from kvwire.compat.vllm.layout import BLOCK_ORDERS
 from kvwire.compat.vllm.metadata import ReadyToSend
+from kvwire.compat.vllm.notices import failure_notice_for
 from kvwire.compat.vllm.rank import KEPT_FAILURES, WorkerRank
 from kvwire.compat.vllm.registration import Registration, notification_for
 from kvwire.errors import InvalidTransferError, KvwireError
@@ -226,14 +230,21 @@ class Sender:
             ready.decode_tp = reg.tp_size
             ready.sent_to.add(reg.tp_rank)
             ready.expected = sum(self._tp_rank in senders(self._tp_size, reg.tp_size, d) for d in range(reg.tp_size))
-        future.add_done_callback(lambda f: self._written(request_id, f))
+        rank = None if reg.tp_size == self._tp_size else self._tp_rank
+        notice = (endpoint, reg.decode_request_id, rank)
+        future.add_done_callback(lambda f: self._written(request_id, f, notice))
 
-    def _written(self, request_id: str, future: Future[int]) -> None:
+    def _written(self, request_id: str, future: Future[int], notice: tuple[str, str, int | None]) -> None:
         error = future.exception() if not future.cancelled() else None
         if error is not None or future.cancelled():
             reason = f"request {request_id!r}: the write failed: {error or 'cancelled'}"
             self.failures.append(reason)
             log.error("kvwire: %s", reason)
+            endpoint, decode_request_id, rank = notice
+            message = failure_notice_for(decode_request_id, rank, f"the write failed: {error or 'cancelled'}")
+            threading.Thread(  # not on the transport's completion thread: a dead decode may block the send
+                target=self._tell_decode, args=(endpoint, message), name="kvwire-vllm-failure-notice", daemon=True
+            ).start()
         with self._lock:
             ready = self._ready.get(request_id)
             if ready is None:
@@ -242,6 +253,13 @@ class Sender:
             if ready.in_flight <= 0 and (ready.expected is None or len(ready.sent_to) >= ready.expected):
                 del self._ready[request_id]  # written to every decode rank it goes to: vLLM may free it
                 self._done.add(request_id)
+
+    def _tell_decode(self, endpoint: str, message: bytes) -> None:
+        """Send the decode the failure notice (its blocks are free for vLLM at once); a failure is logged."""
+        try:
+            self._connection.send_notification(endpoint, message)
+        except KvwireError as exc:  # the decode still fails the request at load_timeout_s
+            log.error("kvwire: the failure notice to %.60s was not sent: %s", endpoint, exc)
 
     def finished(self) -> set[str]:
         """Requests whose blocks vLLM may free: written (or failed), or unclaimed past the lease."""
