@@ -279,3 +279,26 @@ def test_a_ready_request_is_not_written_to_a_decode_whose_blocks_differ_in_order
     reply = sender.handle(_registration(kv_caches("LBNHC"), 1, 0, 2))
     assert reply["error"].startswith("registration for 'p0': the decode's blocks are token-major (LBNHC)")
     assert sender.finished() == set() and list(sender.failures) == [reply["error"]]
+
+
+def test_a_registrations_block_order_is_one_kvwire_knows() -> None:
+    from kvwire import InvalidTransferError
+
+    registration = _registration(kv_caches("LBNHC"), 1, 0, 2)
+    assert Registration.from_dict(registration).block_order == "token-major"
+    for bad in ("diagonal", 3, None):
+        with pytest.raises(InvalidTransferError) as info:
+            Registration.from_dict({**registration, "block_order": bad})
+        assert str(info.value) == (
+            f"registration: 'block_order' must be one of ['head-major', 'latent', 'token-major'], got {bad!r}"
+        )
+
+
+def test_an_mla_decode_takes_a_prefill_of_any_tp_size_that_divides_whatever_the_heads() -> None:
+    settings = ConnectorSettings.from_extra_config({"backend": "local"})
+    params = {"do_remote_prefill": True, "kvwire": 1, "remote_request_id": "p0", "remote_engine_id": "e"}
+    params |= {"remote_host": "127.0.0.1", "remote_port": 5710, "remote_block_ids": [1, 2], "tp_size": 4}
+    params |= {"remote_num_tokens": 40}
+    for mla, want in ((True, (40, True)), (False, (0, False))):  # 6 heads do not split over 4 ranks: MHA only
+        engine = EngineSide(settings, 2, producer=False, consumer=True, total_kv_heads=6, mla=mla)
+        assert SchedulerSide(engine, "engine-d").get_num_new_matched_tokens(_request("d0", 40, dict(params)), 0) == want
