@@ -120,6 +120,9 @@ def test_a_write_that_fails_midway_fails_the_decodes_request_at_once(p_tp: int, 
         }
         for work in p_work:  # the prefill frees its blocks: the write ended, failed or not
             assert _until(lambda w=work: w.get_finished()[0]) == {"p0"}
+        failed, loads = p_work[-1].drain_stats(), d_work.drain_stats()  # what vLLM's metrics get
+        assert failed is not None and failed["num_failed_transfers"] == [1] and failed["transfer_duration"] == []
+        assert loads is not None and loads["num_failed_loads"] == [1]
     finally:
         for work in [*p_work, d_work]:
             work.shutdown()

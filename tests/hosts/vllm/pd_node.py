@@ -25,6 +25,8 @@ layer; a decode's writes nothing. Commands (kvwire.control.serve):
   step_until_sent {req_id, timeout_s}         -> when finished_sending reported it (its blocks freed)
   digests {block_ids}                         -> per-block digests of this side's KV cache
   head_digests {block_ids}                    -> per-block, per-KV-head digests of this side's KV cache
+  metrics {prefix, steps}                     -> the Prometheus samples vLLM's KVConnectorProm recorded from the
+                                                 connector's stats, and vLLM's KVConnectorLogging summary
 vLLM's logging goes to stderr: stdout carries only the replies.
 """
 
@@ -58,6 +60,7 @@ from vllm.config import (  # noqa: E402
     VllmConfig,
     set_current_vllm_config,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm  # noqa: E402
 from vllm.distributed.kv_transfer.kv_transfer_state import (  # noqa: E402
     ensure_kv_transfer_initialized,
     ensure_kv_transfer_shutdown,
@@ -142,8 +145,11 @@ class Node:
             kv_cache_config=self.kvc,
             structured_output_manager=StructuredOutputManager(self.config),
             block_size=BLOCK_SIZE,
-            log_stats=False,
+            log_stats=True,  # the connector's stats reach vLLM's logging and Prometheus classes (below)
         )
+        # vLLM's own stat-logger parts for a connector: PrometheusStatLogger's and LoggingStatLogger's
+        self.kv_prom = KVConnectorProm(self.config, ["model_name", "engine"], {0: [self.model_dir, "0"]})
+        self.kv_logging = KVConnectorLogging(self.config.kv_transfer_config)
         self.allocated: dict[str, list[int]] = {}  # the blocks vLLM gave each request, as the connector heard
         allocated = self.scheduler.connector.update_state_after_alloc
 
@@ -230,6 +236,10 @@ class Node:
             self.invalid |= set(kv.invalid_block_ids or ())
         engine_outputs = self.scheduler.update_from_output(out, mro)
         for eco in engine_outputs.values():
+            stats = eco.scheduler_stats
+            if stats is not None and stats.kv_connector_stats is not None:  # what vLLM's stat loggers record
+                self.kv_prom.observe(stats.kv_connector_stats, 0)
+                self.kv_logging.observe(stats.kv_connector_stats)
             for o in eco.outputs:
                 if o.finish_reason is not None:
                     self.finished_at.setdefault(o.request_id, now)
@@ -328,6 +338,29 @@ class Node:
             "failures": list(getattr(sender, "failures", []) or []),
         }
 
+    def metrics(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The ``vllm:`` Prometheus samples whose name starts with ``msg["prefix"]``, and vLLM's log summary.
+
+        The summary is what vLLM's ``KVConnectorLogging`` prints for the interval since the last call. First
+        ``msg["steps"]`` engine steps (default 1), as an engine's loop takes: a connector's stats travel
+        with a step's output.
+        """
+        import prometheus_client
+
+        for _ in range(int(msg.get("steps", 1))):
+            self.step()
+
+        samples = {
+            f"{sample.name}{sorted(sample.labels.items())}": sample.value
+            for family in prometheus_client.REGISTRY.collect()
+            for sample in family.samples
+            if sample.name.startswith(msg["prefix"]) and not sample.name.endswith("_created")
+        }
+        acc = self.kv_logging.transfer_stats_accumulator
+        summary = acc.reduce() if acc is not None and not acc.is_empty() else {}
+        self.kv_logging.reset()
+        return {"samples": samples, "summary": summary}
+
     def close(self) -> None:
         ensure_kv_transfer_shutdown()
 
@@ -373,6 +406,7 @@ def main() -> None:
                 "step_until_sent": call("step_until_sent"),
                 "digests": digests,
                 "head_digests": call("head_digests"),
+                "metrics": call("metrics"),
             },
             stdout=REPLIES,
         )

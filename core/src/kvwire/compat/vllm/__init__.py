@@ -3,8 +3,9 @@
     --kv-transfer-config '{"kv_connector": "KvwireConnector", "kv_connector_module_path": "kvwire.compat.vllm",
                            "kv_role": "kv_producer", "kv_connector_extra_config": {"backend": "nixl"}}'
 
-(docs/vllm.md has the recipe.) Only :mod:`~kvwire.compat.vllm.connector` imports vLLM, and it is
-imported when ``KvwireConnector`` is first looked up, so everything else here is checked without vLLM:
+(docs/vllm.md has the recipe.) Only :mod:`~kvwire.compat.vllm.connector` and the
+:mod:`~kvwire.compat.vllm.stats` it imports import vLLM, when ``KvwireConnector`` is first looked up, so
+everything else here is checked without vLLM:
 
 - :mod:`~kvwire.compat.vllm.layout`: vLLM's per-layer KV tensors as a :class:`~kvwire.KVLayout`;
 - :mod:`~kvwire.compat.vllm.settings`: the keys of ``kv_connector_extra_config``;
@@ -13,6 +14,8 @@ imported when ``KvwireConnector`` is first looked up, so everything else here is
 - :mod:`~kvwire.compat.vllm.registration` and :mod:`~kvwire.compat.vllm.channel`: the decode's
   registration and the side channel it travels on;
 - :mod:`~kvwire.compat.vllm.notices`: the prefill's notice that a write it had accepted failed;
+- :mod:`~kvwire.compat.vllm.telemetry`: what the transfers did, for vLLM's metrics (``stats``, which imports
+  vLLM, wraps it in vLLM's ``KVConnectorStats`` and ``vllm:kvwire_*`` Prometheus metrics);
 - :mod:`~kvwire.compat.vllm.scheduler`, :mod:`~kvwire.compat.vllm.sending`,
   :mod:`~kvwire.compat.vllm.receiving`, :mod:`~kvwire.compat.vllm.worker`: the two sides' logic.
 """

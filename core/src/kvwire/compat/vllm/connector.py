@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
 from kvwire.compat.vllm.metadata import StepMetadata
 from kvwire.compat.vllm.scheduler import SchedulerSide
 from kvwire.compat.vllm.settings import ConnectorSettings, EngineSide
+from kvwire.compat.vllm.stats import KvwireConnectorStats, KvwirePromMetrics
 from kvwire.compat.vllm.worker import WorkerSide
 
 __all__ = ["KvwireConnector", "KvwireConnectorMetadata"]
@@ -149,6 +150,27 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().load_errors()
+
+    # -- metrics (vLLM's KVConnectorStats, see kvwire.compat.vllm.stats) ------
+
+    def get_kv_connector_stats(self) -> KvwireConnectorStats | None:
+        """This worker's transfers since the last step; None on the scheduler side or when there were none."""
+        data = None if self.worker_side is None else self.worker_side.drain_stats()
+        return None if data is None else KvwireConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvwireConnectorStats:
+        return KvwireConnectorStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvwirePromMetrics:
+        return KvwirePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker_side is not None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvwire.compat.vllm.layout import VllmLayout
+from kvwire.compat.vllm.telemetry import TransferStats
 from kvwire.connection.connection import Connection
 
 __all__ = ["KEPT_FAILURES", "WorkerRank"]
@@ -17,10 +18,12 @@ KEPT_FAILURES = 100
 
 @dataclass(frozen=True)
 class WorkerRank:
-    """One worker: its kvwire connection, its KV cache's layout, its TP rank of ``tp_size``, and the clock."""
+    """One worker: its kvwire connection, its KV cache's layout, its TP rank of ``tp_size``, the clock, and
+    where its transfers are counted for vLLM's metrics."""
 
     connection: Connection
     local: VllmLayout
     tp_rank: int
     tp_size: int
     clock: Callable[[], float] = time.monotonic
+    stats: TransferStats = field(default_factory=TransferStats)

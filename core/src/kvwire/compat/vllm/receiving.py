@@ -60,7 +60,7 @@ class Receiver:
     """Tracks the decode's requests from registration to arrival or failure (see the module docstring)."""
 
     def __init__(self, rank: WorkerRank, client: RegistrationClient, load_timeout_s: float) -> None:
-        connection, self._local, self._clock = rank.connection, rank.local, rank.clock
+        connection, self._local, self._clock, self._stats = rank.connection, rank.local, rank.clock, rank.stats
         self._tp_rank, self._tp_size = rank.tp_rank, rank.tp_size
         self._client = client
         self._timeout_s = load_timeout_s
@@ -188,6 +188,7 @@ class Receiver:
                     while len(self.failures) > KEPT_FAILURES:
                         del self.failures[next(iter(self.failures))]
                     self._errors.update(pending.block_ids)
+                    self._stats.record_failed_load()
                 else:
                     continue
                 del self._pending[request_id]

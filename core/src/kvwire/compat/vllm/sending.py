@@ -69,7 +69,7 @@ class Sender:
     """Matches ready requests with registrations and writes them (see the module docstring)."""
 
     def __init__(self, rank: WorkerRank, lease_s: float) -> None:
-        self._connection, self._local, self._clock = rank.connection, rank.local, rank.clock
+        self._connection, self._local, self._clock, self._stats = rank.connection, rank.local, rank.clock, rank.stats
         self._tp_rank, self._tp_size = rank.tp_rank, rank.tp_size
         self._lease_s = lease_s
         self._lock = threading.RLock()  # a future that is already done runs its callback at once
@@ -107,6 +107,7 @@ class Sender:
                 return {"queued": registration.prefill_request_id}
         except KvwireError as exc:  # LayoutError and InvalidTransferError included: the decode is told why
             self.failures.append(str(exc))
+            self._stats.record_refusal()
             return {"error": str(exc)}
 
     def _check(self, reg: Registration) -> None:
@@ -215,6 +216,7 @@ class Sender:
         if self._peers.get(endpoint) != layout:
             self._connection.add_peer(endpoint, layout)
             self._peers[endpoint] = layout
+        started = self._clock()
         future = self._connection.submit_kvcache(
             endpoint,
             np.asarray(reg.prefill_block_ids, dtype=np.int32),
@@ -232,11 +234,16 @@ class Sender:
             ready.expected = sum(self._tp_rank in senders(self._tp_size, reg.tp_size, d) for d in range(reg.tp_size))
         rank = None if reg.tp_size == self._tp_size else self._tp_rank
         notice = (endpoint, reg.decode_request_id, rank)
-        future.add_done_callback(lambda f: self._written(request_id, f, notice))
+        future.add_done_callback(lambda f: self._written(request_id, f, notice, started))
 
-    def _written(self, request_id: str, future: Future[int], notice: tuple[str, str, int | None]) -> None:
+    def _written(
+        self, request_id: str, future: Future[int], notice: tuple[str, str, int | None], started: float
+    ) -> None:
         error = future.exception() if not future.cancelled() else None
-        if error is not None or future.cancelled():
+        if error is None and not future.cancelled():
+            self._stats.record_write(self._clock() - started, future.result(), getattr(future, "descriptors", None))
+        else:
+            self._stats.record_failed_write()
             reason = f"request {request_id!r}: the write failed: {error or 'cancelled'}"
             self.failures.append(reason)
             log.error("kvwire: %s", reason)

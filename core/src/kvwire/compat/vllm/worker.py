@@ -21,6 +21,7 @@ from kvwire.compat.vllm.rank import WorkerRank
 from kvwire.compat.vllm.receiving import Receiver
 from kvwire.compat.vllm.sending import Sender
 from kvwire.compat.vllm.settings import EngineSide
+from kvwire.compat.vllm.telemetry import StatsData, TransferStats
 from kvwire.connection.connection import Connection
 from kvwire.control.auth import load_key
 from kvwire.errors import ConfigError
@@ -49,6 +50,7 @@ class WorkerSide:
         self.receiver: Receiver | None = None
         self._server: RegistrationServer | None = None
         self._client: RegistrationClient | None = None
+        self.stats = TransferStats()  # both roles' transfers, for vLLM's KVConnectorStats
 
     def register_kv_caches(self, kv_caches: Mapping[str, KVTensor]) -> None:
         """Map and register the KV cache, connect the backend, and open the side channel or the watcher."""
@@ -71,12 +73,13 @@ class WorkerSide:
             key = load_key(None, "KVWIRE_CONTROL_KEY")
             timeout_s = max(settings.backend_config.timeout_s, 5.0)
             if self.producer:
-                self.sender = Sender(WorkerRank(connection, local, self.tp_rank, self.tp_size), settings.lease_s)
+                rank = WorkerRank(connection, local, self.tp_rank, self.tp_size, stats=self.stats)
+                self.sender = Sender(rank, settings.lease_s)
                 port = settings.side_channel_port + self.tp_rank
                 self._server = RegistrationServer(settings.side_channel_host, port, self.sender.handle, key, timeout_s)
             if self.consumer:
                 self._client = RegistrationClient(key, timeout_s)
-                rank = WorkerRank(connection, local, self.tp_rank, self.tp_size)
+                rank = WorkerRank(connection, local, self.tp_rank, self.tp_size, stats=self.stats)
                 self.receiver = Receiver(rank, self._client, settings.load_timeout_s)
         except BaseException:
             self.shutdown_parts(connection)
@@ -110,6 +113,10 @@ class WorkerSide:
         sent = self.sender.finished() if self.sender is not None else set()
         received = self.receiver.finished() if self.receiver is not None else set()
         return (sent or None), (received or None)
+
+    def drain_stats(self) -> StatsData | None:
+        """What this worker's transfers did since the last call (None: nothing), for vLLM's metrics."""
+        return self.stats.drain()
 
     def load_errors(self) -> set[int]:
         return self.receiver.load_errors() if self.receiver is not None else set()
