@@ -28,13 +28,16 @@ from pathlib import Path
 from typing import Any
 
 #: sglang's CPU server (measured on a 2-core machine; see TRANSPORT-FACTS.md in the kvwire repository).
+#: ``--max-total-tokens`` sizes the KV pool; ``--mem-fraction-static`` only has to pass sglang's check that free
+#: memory after loading exceeds ``(1 - fraction)`` x free memory before it, which counts the whole machine: at 0.05
+#: a second server loading at the same time on a machine with 8 GB free failed that check.
 CPU_FLAGS: tuple[str, ...] = (
     "--device", "cpu",
     "--attention-backend", "torch_native",
     "--sampling-backend", "pytorch",
     "--disable-cuda-graph",
     "--dtype", "float32",
-    "--mem-fraction-static", "0.05",
+    "--mem-fraction-static", "0.5",
     "--max-total-tokens", "4096",
     "--skip-tokenizer-init",
 )  # fmt: skip
