@@ -8,7 +8,7 @@ group ``kvwire.backends``. Users call :func:`connect`. Every backend is
 validated against the spec when it loads.
 """
 
-from kvwire.config import BackendConfig
+from kvwire.config import BackendConfig, ResolvedConfig, resolve_config
 from kvwire.connection.connection import Connection
 from kvwire.connection.deadline import CALL_GRACE_S, StuckCall
 from kvwire.errors import (
@@ -88,6 +88,7 @@ __all__ = [
     "RawWriter",
     "RegionSet",
     "Registry",
+    "ResolvedConfig",
     "SpecVersion",
     "StuckCall",
     "TransferError",
@@ -106,5 +107,6 @@ __all__ = [
     "hookspec",
     "plan_transfer",
     "register_backend",
+    "resolve_config",
     "validate_backend",
 ]

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvwire.errors import ConfigError
 
-__all__ = ["BackendConfig", "check_seconds"]
+__all__ = ["BackendConfig", "ResolvedConfig", "check_seconds", "resolve_config"]
 
 
 @dataclass(frozen=True)
@@ -115,20 +115,81 @@ class BackendConfig:
         the TOML or JSON file at ``path`` (default ``$KVWIRE_CONFIG``) > the
         defaults; ``options`` merge key by key in that order. A bad key or
         value is a :class:`ConfigError` naming it and where it was set.
+        Every kvwire entry point (``connect()``, the CLI, the sglang plugin,
+        the vLLM connector) builds its config this way.
         """
-        from kvwire.settings.sources import gather
-
-        base = cls()
-        defaults = {f.name: getattr(base, f.name) for f in fields(cls)}
-        gathered = gather(defaults, path, os.environ if env is None else env, overrides)
-        try:
-            return cls(**gathered.values)
-        except ConfigError as exc:
-            raise ConfigError(gathered.explain(str(exc))) from None
+        return resolve_config(path, env=env, **overrides).config
 
     def option(self, key: str, default: object = None) -> object:
         """A backend-specific option, or ``default``."""
         return self.options.get(key, default)
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A :class:`BackendConfig` and where each of its values came from (``kvwire config`` prints this).
+
+    ``sources`` maps a field name, or ``options.<key>`` for a backend option, to its source:
+    ``"the default"``, ``"config file <path>"``, ``"$KVWIRE_<NAME>"`` or ``"argument <name>="``.
+    """
+
+    config: BackendConfig
+    sources: Mapping[str, str]
+
+    def lines(self) -> list[str]:
+        """``field = value  (source)``, one per field and option, in field order."""
+        rows: list[tuple[str, str, str]] = []
+        for f in fields(self.config):
+            if f.name == "options":
+                for key, value in sorted(self.config.options.items()):
+                    rows.append((f"options.{key}", _shown(value), self.sources.get(f"options.{key}", "argument")))
+            else:
+                rows.append((f.name, _shown(getattr(self.config, f.name)), self.sources.get(f.name, "argument")))
+        width = max(len(r[0]) for r in rows)
+        vwidth = min(40, max(len(r[1]) for r in rows))
+        return [f"{name.ljust(width)} = {value.ljust(vwidth)}  ({source})" for name, value, source in rows]
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"config": {...}, "sources": {...}}`` (options that are not JSON data shown as their repr)."""
+        config = {f.name: getattr(self.config, f.name) for f in fields(self.config) if f.name != "options"}
+        config["options"] = {k: _jsonable(v) for k, v in self.config.options.items()}
+        return {"config": config, "sources": dict(self.sources)}
+
+
+def _jsonable(value: object) -> object:
+    """``value`` if it is JSON data, else its repr (an engine object passed as an option)."""
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+    return value
+
+
+def _shown(value: object) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def resolve_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> ResolvedConfig:
+    """:meth:`BackendConfig.from_sources`, keeping where each value came from."""
+    from kvwire.settings.sources import gather
+
+    base = BackendConfig()
+    defaults = {f.name: getattr(base, f.name) for f in fields(BackendConfig)}
+    gathered = gather(defaults, path, os.environ if env is None else env, overrides)
+    try:
+        config = BackendConfig(**gathered.values)
+    except ConfigError as exc:
+        raise ConfigError(gathered.explain(str(exc))) from None
+    return ResolvedConfig(config, MappingProxyType(dict(gathered.sources)))
 
 
 def check_seconds(value: object, what: str, *, zero: bool = False) -> float:

@@ -37,7 +37,7 @@ from kvwire.benchmark.progress import Progress, Steps
 from kvwire.benchmark.results import summary
 from kvwire.benchmark.session import BenchSession
 from kvwire.benchmark.tp import add_tp_arguments, check_tp_arguments, run_tp, tp_rows, uses_tp
-from kvwire.config import BackendConfig
+from kvwire.config import resolve_config
 from kvwire.control import KEY_ENV, Channel, ChildProcess, PeerConnection, check_listen_key, load_key, parse_address
 from kvwire.errors import ConfigError
 from kvwire.layout.peer import PeerDescription
@@ -83,7 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", metavar="HOST:PORT", help="--role decode: where to wait for the prefill side")
     parser.add_argument("--peer", metavar="HOST:PORT", help="the decode side started with --role decode --listen")
     parser.add_argument(
-        "--host", default="127.0.0.1", help="this side's engine address (BackendConfig.host; default 127.0.0.1)"
+        "--host",
+        default=None,
+        help="this side's engine address (BackendConfig.host; default: $KVWIRE_HOST, the config file, 127.0.0.1)",
     )
     parser.add_argument("--preset", default="llama3-8b", choices=list(PRESETS), help="layout preset")
     parser.add_argument("--requests", type=int, default=16, help="number of requests (default 16)")
@@ -102,7 +104,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where decode-side device buffers live: cpu (default), cuda or cuda:N (needs torch with CUDA)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random pages and bytes (default 0)")
-    parser.add_argument("--timeout", type=float, default=10.0, help="transfer timeout in seconds")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="transfer timeout in seconds (BackendConfig.timeout_s; default: $KVWIRE_TIMEOUT_S, the config file, 10)",
+    )
     parser.add_argument(
         "--option",
         type=_option,
@@ -166,7 +173,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
     for name in ("requests", "tokens", "mean_run"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.timeout <= 0:
+    if args.timeout is not None and not args.timeout > 0:
         raise ConfigError(f"--timeout must be > 0, got {args.timeout}")
     get_preset(args.preset)
     registry = default_registry()
@@ -212,15 +219,18 @@ def _decode_side(args: argparse.Namespace, decode_args: dict[str, Any], steps: S
 
 def run(args: argparse.Namespace) -> int:
     _check_arguments(args)
+    # The flags over $KVWIRE_* over the config file ($KVWIRE_CONFIG) over the defaults; a flag left out is None.
+    options = dict(args.option) or None
+    args.resolved = resolve_config(host=args.host, timeout_s=args.timeout, process_settings=True, options=options)
+    config = args.resolved.config
     steps = Steps()
     if args.role == "decode":
-        return listen(args.listen, args.host, load_key(args.control_key_file), steps)
+        return listen(args.listen, config.host, load_key(args.control_key_file), steps)
     preset = get_preset(args.preset)
     pages_per_request = -(-args.tokens // preset.page_tokens)
     pool_pages = 2 * pages_per_request + 64  # the runs and the 1-3 free pages after each (~1.25x at mean run 8)
     slots = args.inflight_requests
     peer_pages = pool_pages if slots is None else slots * slot_pages(pages_per_request)
-    config = BackendConfig(host=args.host, timeout_s=args.timeout, process_settings=True, options=dict(args.option))
     decode_args = {
         "backend": args.backend,
         "preset": preset.name,
@@ -260,6 +270,7 @@ def _report(args: argparse.Namespace, result: dict[str, Any], backing: str, deco
     series: Series = result.pop("_series", {})
     result.update(backend=args.backend, preset=args.preset, backing=backing, decode=decode)
     result.update(prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
+    result.update(backend_config=args.resolved.to_dict())
     if args.plot:
         title = f"kvwire bench: {args.backend}, {args.preset}, {args.requests} x {args.tokens} tokens"
         write_plot(args.plot, series, title)

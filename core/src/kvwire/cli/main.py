@@ -17,6 +17,7 @@ import sys
 import textwrap
 from collections.abc import Sequence
 
+from kvwire.config import resolve_config
 from kvwire.errors import ConfigError, KvwireError
 from kvwire.registry.findings import render_findings
 from kvwire.registry.installed import VersionAction, install_problems, versions
@@ -102,6 +103,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 f"--backends {args.backends!r} names no backend; give backend names separated by commas "
                 f"(installed: {', '.join(installed_backends()) or 'none'}), or leave it out to check all of them"
             )
+    resolve_config()  # the configuration every entry point reads: a bad value is this check's error too
     registry = Registry(allow=allow, policy="quarantine")
     unknown = registry.unknown_allowed()
     infos = check_isolated(registry, args.timeout)  # each backend in a child: a plugin cannot take the check down
@@ -132,6 +134,15 @@ def _cmd_check(args: argparse.Namespace) -> int:
     for problem in problems:
         print(f"kvwire check: error: {problem}", file=sys.stderr)
     return 1 if failed or unavailable or unknown or problems else 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    resolved = resolve_config(args.file)
+    if args.json:
+        print(json.dumps(resolved.to_dict(), indent=2))
+    else:
+        print("\n".join(resolved.lines()))
+    return 0
 
 
 def _cmd_versions(args: argparse.Namespace) -> int:
@@ -230,6 +241,18 @@ def _parser() -> argparse.ArgumentParser:
         help=f"time limit of each backend's import, validation and availability() (default: {DEFAULT_TIMEOUT:g})",
     )
     check.set_defaults(func=_cmd_check)
+    config = sub.add_parser(
+        "config",
+        help="print the configuration kvwire resolves here, and where each value came from",
+        description="The BackendConfig that kvwire.connect(), kvwire bench, the sglang plugin and the vLLM "
+        "connector start from: the defaults, under the config file (--file, else $KVWIRE_CONFIG), under the "
+        "KVWIRE_* variables (each host's own settings then go above these). Each value is shown with its source. "
+        "Exit status: 0, or 2 for a bad value (the error names the variable or the file).",
+        formatter_class=_PlainHelp,
+    )
+    config.add_argument("--file", default=None, metavar="PATH", help="a .toml or .json file (default: $KVWIRE_CONFIG)")
+    config.add_argument("--json", action="store_true", help="print {config, sources} as JSON")
+    config.set_defaults(func=_cmd_config)
     report = sub.add_parser(
         "versions",
         help="print kvwire's, the spec's, Python's and every installed backend's version",

@@ -349,6 +349,9 @@ class Registry:
     ) -> Connection:
         """Instantiate backend ``name`` behind a :class:`Connection`.
 
+        ``config`` None: :meth:`BackendConfig.from_sources` (``$KVWIRE_CONFIG`` and ``KVWIRE_*``
+        variables over the defaults); a config given is used as it is.
+
         ``features`` are required: a backend lacking one fails here (start-up),
         with the installed backends that do support it named.
         """
@@ -374,7 +377,7 @@ class Registry:
             info.name,
             info.cls,
             info.capabilities,
-            config or BackendConfig(),
+            BackendConfig.from_sources() if config is None else config,
             middleware=middleware,
             spec_version=info.spec_version or "",
         )

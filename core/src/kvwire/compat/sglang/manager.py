@@ -182,7 +182,8 @@ class KvwireManagerMixin(KvwireSendMixin):
         self._kvwire_lock = threading.Lock()
         self._kvwire_registered: dict[str, KVLayout] = {}
         self.kvwire_layout = self.kvwire_local_layout()
-        config = BackendConfig(options={"engine": self.engine.engine, "host_registered": True})
+        # kvwire's configuration ($KVWIRE_CONFIG, KVWIRE_*), under what sglang decides: its own engine, its memory
+        config = BackendConfig.from_sources(options={"engine": self.engine.engine, "host_registered": True})
         backend = self.kvwire_backend or default_backend()
         self.kvwire_connection = connect(backend, config, middleware=sglang_metrics(self.server_args, backend))
         try:

@@ -20,6 +20,10 @@
     blocks are reported by ``get_block_ids_with_load_errors`` (and vLLM frees them). It must exceed
     ``transfer_timeout_s`` by more than a second: a prefill starts a write only if it ends before then.
 
+``host``, ``protocol``, ``device``, ``transfer_timeout_s`` and ``backend_options`` left out of the extra config
+come from kvwire's configuration (``$KVWIRE_CONFIG``, ``KVWIRE_*``; docs/configuration.md), then the defaults
+above; ``backend_options`` given here merge over the options set there, key by key.
+
 Every error is a :class:`kvwire.ConfigError` naming ``kv_connector_extra_config['<key>']`` and the fix. A key
 the connector does not read is not an error (a deployment may share one extra config between connectors),
 but it is logged as a warning naming the key, the closest known one and the keys read.
@@ -111,12 +115,13 @@ class ConnectorSettings:
         port = extra.get("side_channel_port", DEFAULT_SIDE_CHANNEL_PORT)
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise ConfigError(f"{_key('side_channel_port')} must be a TCP port 1..65535, got {port!r}")
-        config = BackendConfig(
-            host=_text(extra, "host", "127.0.0.1"),
-            protocol=_text(extra, "protocol", "tcp"),
-            device=_text(extra, "device", ""),
-            timeout_s=_seconds(extra, "transfer_timeout_s", 10.0),
-            options=dict(options),
+        # vLLM's keys over kvwire's configuration ($KVWIRE_CONFIG, KVWIRE_*) over the defaults
+        config = BackendConfig.from_sources(
+            host=_text(extra, "host", "127.0.0.1") if "host" in extra else None,
+            protocol=_text(extra, "protocol", "tcp") if "protocol" in extra else None,
+            device=_text(extra, "device", "") if "device" in extra else None,
+            timeout_s=_seconds(extra, "transfer_timeout_s", 10.0) if "transfer_timeout_s" in extra else None,
+            options=dict(options) if "backend_options" in extra else None,
         )
         load_timeout_s = _seconds(extra, "load_timeout_s", 30.0)
         if load_timeout_s <= config.timeout_s + 1.0:
