@@ -9,6 +9,7 @@ sglang's own server: tests/hosts/test_sglang_serving_tp.py.)
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -172,12 +173,19 @@ class _Manager(KvwireManagerMixin, _SglangManager):  # type: ignore[misc]
 
 
 def test_the_sglang_managers_connection_reads_kvwires_configuration(
-    clean_env: pytest.MonkeyPatch, tmp_path: Path
+    clean_env: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    clean_env.setenv("KVWIRE_CONFIG", str(_file(tmp_path)))
+    path = _file(tmp_path)
+    clean_env.setenv("KVWIRE_CONFIG", str(path))
     clean_env.setenv("KVWIRE_TIMEOUT_S", "3")
     manager: Any = _Manager()
-    manager.init_engine()
+    with caplog.at_level(logging.INFO, logger="kvwire"):
+        manager.init_engine()
+    (line,) = [r.getMessage() for r in caplog.records if "active in sglang" in r.getMessage()]
+    assert line.endswith(
+        f"; configured: host='127.0.0.2' (config file {path}), timeout_s=3.0 ($KVWIRE_TIMEOUT_S), "
+        f"options.streams=2 (config file {path})"
+    ), line
     try:
         config = manager.kvwire_connection.config
         assert config.timeout_s == 3 and config.host == "127.0.0.2"

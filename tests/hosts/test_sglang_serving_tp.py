@@ -32,6 +32,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sglang-servers"), pytes
 LENGTHS = [1, 40, 300]
 #: sglang's CPU engine binds each TP rank's OpenMP threads to the cores this names, one group per rank.
 TP2_ENV = {**STRICT_ENV, "SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+#: kvwire's own configuration, read by the kvwire plugin inside sglang's scheduler (docs/configuration.md).
+PREFILL_ENV = {**STRICT_ENV, "KVWIRE_TIMEOUT_S": "20"}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,7 @@ def tp(deploy: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Simple
             model, "single", work, plugins=deploy.STOCK_PLUGINS, env=STRICT_ENV, python=PYTHON, name="single"
         )
         servers["prefill"] = deploy.start_server(
-            model, "prefill", work, chunked_prefill_size=64, env=STRICT_ENV, python=PYTHON, name="prefill"
+            model, "prefill", work, chunked_prefill_size=64, env=PREFILL_ENV, python=PYTHON, name="prefill"
         )
         servers["decode"] = deploy.start_server(
             model, "decode", work, tp_size=2, env=TP2_ENV, python=PYTHON, name="decode_tp2"
@@ -61,7 +63,7 @@ def tp(deploy: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Simple
             server.wait_ready(900)
         router = deploy.start_router(servers["prefill"], servers["decode"], work, python=PYTHON, name="router")
         router.wait_ready(300)
-        yield SimpleNamespace(router=router, **servers)
+        yield SimpleNamespace(router=router, model=model, work=work, **servers)
         assert_no_leak(*servers.values())
     finally:
         for process in [router, *servers.values()]:
@@ -91,3 +93,20 @@ def test_the_tp2_decode_serves_a_repeated_prompt(deploy: Any, tp: SimpleNamespac
     expected = deploy.output_ids(deploy.generate(tp.single.url, ids))
     for _ in range(2):
         assert deploy.output_ids(deploy.generate(tp.router.url, ids)) == expected
+
+
+def test_kvwires_configuration_is_read_inside_sglangs_scheduler(deploy: Any, tp: SimpleNamespace) -> None:
+    """The prefill's activation line names the setting its variable made; a bad value stops a server at start."""
+    log = tp.prefill.log.read_text(errors="replace")
+    assert "; configured: timeout_s=20.0 ($KVWIRE_TIMEOUT_S)" in log, tp.prefill.tail(40)
+    bad = deploy.start_server(
+        tp.model, "prefill", tp.work, env={**STRICT_ENV, "KVWIRE_TIMEOUT_S": "five"}, python=PYTHON, name="bad"
+    )
+    try:
+        bad.popen.wait(timeout=600)
+        text = bad.log.read_text(errors="replace")
+        assert "ConfigError: $KVWIRE_TIMEOUT_S='five' is not a number; write e.g. KVWIRE_TIMEOUT_S=5" in text, bad.tail(
+            40
+        )
+    finally:
+        bad.stop()

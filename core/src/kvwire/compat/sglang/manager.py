@@ -41,7 +41,7 @@ import numpy.typing as npt
 from kvwire.compat.sglang.layout import layout_from_kv_args
 from kvwire.compat.sglang.registration import layout_frame, layout_from_frames
 from kvwire.compat.sglang.send import REFUSED, FailedSessions, KvwireSendMixin, note_status
-from kvwire.config import BackendConfig
+from kvwire.config import ResolvedConfig, resolve_config
 from kvwire.errors import KvwireError
 from kvwire.layout.buffers import HeadLayout, LayoutError, MemoryKind
 from kvwire.layout.kv_layout import KVLayout
@@ -114,8 +114,9 @@ def sglang_metrics(server_args: Any, backend: str) -> list[object]:
         return []
 
 
-def activation_line(connection: Any, server_args: Any, layout: KVLayout) -> str:
-    """The one line a process logs when kvwire carries its KV: what runs, which versions, which role."""
+def activation_line(connection: Any, server_args: Any, layout: KVLayout, resolved: ResolvedConfig | None = None) -> str:
+    """The one line a process logs when kvwire carries its KV: what runs, which versions, which role,
+    and each setting that came from kvwire's configuration (a variable or the file) rather than a default."""
     from importlib.metadata import PackageNotFoundError, version
 
     def dist_version(name: str) -> str:
@@ -130,7 +131,20 @@ def activation_line(connection: Any, server_args: Any, layout: KVLayout) -> str:
         f"({getattr(server_args, 'disaggregation_mode', '?')}): backend {connection.name!r} "
         f"({info.distribution} {info.version}, spec {connection.spec_version}), {layout.attention} layout of "
         f"{len(layout.buffers)} buffers, attention TP {layout.attn_tp_rank}/{layout.attn_tp_size}"
+        + _configured(resolved)
     )
+
+
+def _configured(resolved: ResolvedConfig | None) -> str:
+    if resolved is None:
+        return ""
+    config = resolved.config
+    set_here = [
+        f"{key}={config.options[key[8:]] if key.startswith('options.') else getattr(config, key)!r} ({source})"
+        for key, source in resolved.sources.items()
+        if source.startswith(("$", "config file"))
+    ]
+    return f"; configured: {', '.join(set_here)}" if set_here else ""
 
 
 def default_backend() -> str:
@@ -183,7 +197,8 @@ class KvwireManagerMixin(KvwireSendMixin):
         self._kvwire_registered: dict[str, KVLayout] = {}
         self.kvwire_layout = self.kvwire_local_layout()
         # kvwire's configuration ($KVWIRE_CONFIG, KVWIRE_*), under what sglang decides: its own engine, its memory
-        config = BackendConfig.from_sources(options={"engine": self.engine.engine, "host_registered": True})
+        resolved = resolve_config(options={"engine": self.engine.engine, "host_registered": True})
+        config = resolved.config
         backend = self.kvwire_backend or default_backend()
         self.kvwire_connection = connect(backend, config, middleware=sglang_metrics(self.server_args, backend))
         try:
@@ -191,7 +206,7 @@ class KvwireManagerMixin(KvwireSendMixin):
         except BaseException:
             self.kvwire_connection.close()
             raise
-        log.info("%s", activation_line(self.kvwire_connection, self.server_args, self.kvwire_layout))
+        log.info("%s", activation_line(self.kvwire_connection, self.server_args, self.kvwire_layout, resolved))
 
     def kvwire_local_layout(self) -> KVLayout:
         """This rank's layout, from sglang's ``kv_args`` (host memory when sglang runs on CPU).
