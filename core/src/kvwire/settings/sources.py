@@ -67,6 +67,13 @@ _EXPECTED: dict[Kind, str] = {
 
 
 def _checked(kind: Kind, key: str, value: object, where: str) -> Any:
+    if kind == "number" and isinstance(value, int) and not isinstance(value, bool):
+        try:
+            float(value)
+        except OverflowError:  # 10**400: a float cannot hold it (no repr: it may be thousands of digits)
+            raise ConfigError(
+                f"{where}: {key} must be a finite number, got an int of {value.bit_length()} bits, past a float's range"
+            ) from None
     ok = {
         "str": isinstance(value, str),
         "number": isinstance(value, (int, float)) and not isinstance(value, bool),
@@ -132,8 +139,10 @@ def _read_file(path: Path, origin: str) -> dict[str, Any]:
     parser = _toml(path) if suffix == ".toml" else json
     try:
         data = parser.loads(text)
-    except ValueError as exc:  # TOMLDecodeError and JSONDecodeError both are
+    except ValueError as exc:  # TOMLDecodeError and JSONDecodeError both are (and an int of 4,300+ digits)
         raise ConfigError(f"config file {path} is not valid {suffix[1:].upper()}: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path} is not {suffix[1:].upper()} kvwire reads: {_TOO_DEEP}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: the top level must be an object of settings, got {type(data).__name__}")
     return data
@@ -164,7 +173,7 @@ def _env_value(kind: Kind, var: str, raw: str) -> object:
             return word in _TRUE
         raise ConfigError(f"${var}={raw!r} is not a boolean; write {var}=1 or {var}=0 (or true/false, yes/no, on/off)")
     try:
-        value = json.loads(raw)
+        value = _json(raw, f"${var}")
     except json.JSONDecodeError as exc:
         raise ConfigError(f"${var} is not valid JSON ({exc}); write e.g. {var}='{{\"streams\": 2}}'") from None
     if not isinstance(value, dict):
@@ -172,11 +181,27 @@ def _env_value(kind: Kind, var: str, raw: str) -> object:
     return value
 
 
+_TOO_DEEP = "nested too deeply (arrays or tables inside each other past Python's recursion limit)"
+
+
+def _json(raw: str, where: str) -> Any:
+    """``json.loads(raw)``; JSONDecodeError as is, and ConfigError naming ``where`` for what else it raises:
+    nesting past the recursion limit, an int of more digits than Python converts (4,300)."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        raise ConfigError(f"{where} is not JSON kvwire reads: {_TOO_DEEP}") from None
+    except ValueError as exc:  # "Exceeds the limit (4300 digits) ...; use sys.set_int_max_str_digits()": not for them
+        raise ConfigError(f"{where} is not JSON kvwire reads: {str(exc).split(';')[0]}") from None
+
+
 def option_value(raw: str, where: str) -> object:
     """A backend option's value from text (a variable, ``--option KEY=VALUE``): JSON when ``raw`` is JSON
     (``2`` stays an int), else the string itself; text that looks like JSON but is not is an error naming ``where``."""
     try:
-        return json.loads(raw)
+        return _json(raw, where)
     except json.JSONDecodeError as exc:
         if raw.lstrip()[:1] in ("{", "[", '"'):
             raise ConfigError(f"{where} looks like JSON but is not valid ({exc}); fix it, or quote a string") from None
@@ -218,6 +243,11 @@ def gather(
     if path is None and env.get(CONFIG_ENV, "").strip():
         path, origin = env[CONFIG_ENV].strip(), f"${CONFIG_ENV}"
     if path is not None:
+        if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):
+            raise ConfigError(
+                f"the config file's path ({origin}) must be a str or an os.PathLike of str, got "
+                f"{type(path).__name__} {path!r:.100}"
+            )
         _from_file(kinds, Path(path), origin, out)
     _from_env(kinds, env, out)
     for key, value in overrides.items():
