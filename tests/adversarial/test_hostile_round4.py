@@ -72,3 +72,54 @@ def test_row10_a_bytes_path_is_a_config_error() -> None:
     assert str(exc.value) == (
         "the config file's path (path argument) must be a str or an os.PathLike of str, got bytes b'/tmp/kvwire.toml'"
     )
+
+
+# -- row 11: bench --plot -------------------------------------------------------------------------------------
+
+
+def test_row11_a_dangling_symlink_for_plot_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: the whole run happened, then exit 2 with nothing on stdout."""
+    from kvwire.benchmark.plot import check_plot
+    from kvwire.cli import main
+
+    link = tmp_path / "bench.png"
+    target = tmp_path / "gone" / "bench.png"
+    link.symlink_to(target)
+    dangling = f"--plot {str(link)!r}: a symbolic link to {str(target)!r}, which does not exist"
+    with pytest.raises(ConfigError) as exc:
+        check_plot(str(link))
+    assert str(exc.value) == dangling
+    folder = tmp_path / "folder.png"
+    folder.mkdir()
+    with pytest.raises(ConfigError) as exc:
+        check_plot(str(folder))
+    assert str(exc.value) == f"--plot {str(folder)!r} is a folder; name the file to write"
+    assert main(["bench", "--backend", "mooncake", "--plot", str(link), "--json"]) == 2
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", f"kvwire bench: error: {dangling}\n")  # before any set-up step
+
+
+def test_row11_the_json_result_is_printed_when_the_plot_fails_at_the_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: write_plot's ConfigError escaped before the result was printed: the run's result was lost."""
+    import argparse
+    import json
+
+    pytest.importorskip("matplotlib")
+    from kvwire.benchmark.run import _report
+    from kvwire.config import resolve_config
+
+    plot = tmp_path / "gone" / "bench.png"  # its folder was removed during the run
+    args = argparse.Namespace(
+        backend="local", preset="tiny", requests=2, tokens=64, prefill_tp=1, decode_tp=1, plot=str(plot), json=True,
+        resolved=resolve_config(env={}),
+    )  # fmt: skip
+    result = {"verified": True, "guards_unchanged": True, "_series": {"kvwire": [(1 << 20, 0.01), (1 << 20, 0.01)]}}
+    with pytest.raises(ConfigError) as exc:
+        _report(args, result, "heap", "local child", lambda *_: None)  # type: ignore[arg-type]
+    assert str(exc.value).startswith(f"--plot {str(plot)!r} could not be written: ")
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["verified"] is True and printed["plot_error"] == str(exc.value)

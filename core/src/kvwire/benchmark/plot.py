@@ -25,10 +25,15 @@ _MISSING = "--plot needs matplotlib, an optional extra: pip install 'kvwire[plot
 
 
 def check_plot(path: str) -> None:
-    """ConfigError naming --plot: matplotlib missing, an unknown suffix, or a folder that does not exist."""
+    """ConfigError naming --plot: matplotlib missing, an unknown suffix, a dangling symbolic link, a folder
+    where the file should be, or a folder that does not exist."""
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in FORMATS:
         raise ConfigError(f"--plot {path!r}: the file must end in {', '.join(FORMATS)}")
+    if os.path.islink(path) and not os.path.exists(path):  # savefig would follow it, after the whole run
+        raise ConfigError(f"--plot {path!r}: a symbolic link to {os.readlink(path)!r}, which does not exist")
+    if os.path.isdir(path):
+        raise ConfigError(f"--plot {path!r} is a folder; name the file to write")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ConfigError(f"--plot {path!r}: the folder {folder!r} does not exist")

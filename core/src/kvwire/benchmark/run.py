@@ -271,14 +271,21 @@ def _report(args: argparse.Namespace, result: dict[str, Any], backing: str, deco
     result.update(backend=args.backend, preset=args.preset, backing=backing, decode=decode)
     result.update(prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
     result.update(backend_config=args.resolved.to_dict())
+    plot_error: ConfigError | None = None
     if args.plot:
         title = f"kvwire bench: {args.backend}, {args.preset}, {args.requests} x {args.tokens} tokens"
-        write_plot(args.plot, series, title)
-        steps(f"wrote the plot of {', '.join(series)} per request to {args.plot}")
+        try:
+            write_plot(args.plot, series, title)
+            steps(f"wrote the plot of {', '.join(series)} per request to {args.plot}")
+        except ConfigError as exc:  # the run's result is printed all the same, then the error (exit 2)
+            plot_error = exc
+            result["plot_error"] = str(exc)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         _print_table(result)
+    if plot_error is not None:
+        raise plot_error
     return 0 if result["verified"] and result["guards_unchanged"] else 1
 
 
