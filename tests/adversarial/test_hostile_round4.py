@@ -123,3 +123,68 @@ def test_row11_the_json_result_is_printed_when_the_plot_fails_at_the_end(
     assert str(exc.value).startswith(f"--plot {str(plot)!r} could not be written: ")
     printed = json.loads(capsys.readouterr().out)
     assert printed["verified"] is True and printed["plot_error"] == str(exc.value)
+
+
+# -- rows 12 and 5: kv_transfer_params ------------------------------------------------------------------------
+
+PARAMS_BAD = [
+    ({"remote_port": 70000}, "kv_transfer_params['remote_port'] must be a TCP port 1..65535, got 70000"),
+    ({"remote_port": 2**70}, "kv_transfer_params['remote_port'] must be a TCP port 1..65535, got "
+     "1180591620717411303424"),
+    ({"remote_port": 65535, "tp_size": 2}, "kv_transfer_params['remote_port'] = 65535 is not a TCP port for each of "
+     "the prefill's 2 ranks (ports remote_port .. remote_port + 1 must be at most 65535)"),
+    ({"remote_request_id": "x" * 10_000_000}, "kv_transfer_params['remote_request_id'] is 10000000 characters, over "
+     "the limit of 1024: '" + "x" * 59),
+    ({"remote_engine_id": "e" * 1025}, "kv_transfer_params['remote_engine_id'] is 1025 characters, over the limit of "
+     "1024: '" + "e" * 59),
+    ({"remote_request_id": "p\ud800"}, "kv_transfer_params['remote_request_id'] is not UTF-8 text (surrogates not "
+     "allowed at character 1): 'p\\ud800'"),
+    ({"kvwire": 1.0}, "kv_transfer_params['kvwire'] = 1.0: not written by this connector's prefill (this kvwire reads "
+     "version 1); run kvwire's KvwireConnector on both sides"),
+    ({"kvwire": True}, "kv_transfer_params['kvwire'] = True: not written by this connector's prefill"),
+    ({"tp_size": 4096}, "kv_transfer_params['tp_size'] = 4096 is over the largest prefill TP size this connector "
+     "takes (256)"),
+    ({"tp_size": 2**40}, "kv_transfer_params['tp_size'] = 1099511627776 is over the largest prefill TP size this "
+     "connector takes (256)"),
+    ({"tp_size": 10**5000}, "kv_transfer_params['tp_size'] = an int of 16610 bits is over the largest prefill TP "
+     "size this connector takes (256)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "message"), PARAMS_BAD, ids=[f"{i}-{next(iter(c))}" for i, (c, _) in enumerate(PARAMS_BAD)]
+)
+def test_row12_kv_transfer_params_are_bounded_at_parse(change: dict[str, object], message: str) -> None:
+    """Before: port 70000, 2**70, a 10 MB id, kvwire 1.0, tp_size 4096 were all accepted at parse."""
+    from kvwire.compat.vllm import parse_remote_prefill, prefill_params
+    from kvwire.errors import InvalidTransferError
+
+    params = prefill_params("p0", "engine-p", "127.0.0.1", 5710, [1, 2], 1, 40)
+    with pytest.raises(InvalidTransferError) as exc:
+        parse_remote_prefill({**params, **change})
+    assert str(exc.value).startswith(message)
+    assert parse_remote_prefill(dict(params, remote_port=65535)).port == 65535  # the edge itself is fine
+
+
+@pytest.mark.parametrize("tp_size", [4096, 2**40])
+def test_row5_a_prefill_tp_size_past_the_bound_is_refused_at_get_num_new_matched_tokens(
+    tp_size: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: accepted (8 heads divide 4096); start() then took 2-4 s in vLLM's step and left 4,096 threads, and
+    2**40 raised MemoryError there."""
+    from types import SimpleNamespace
+
+    from kvwire.compat.vllm import ConnectorSettings, prefill_params
+    from kvwire.compat.vllm.scheduler import SchedulerSide
+    from kvwire.compat.vllm.settings import EngineSide
+
+    settings = ConnectorSettings.from_extra_config({"backend": "local"})
+    sched = SchedulerSide(EngineSide(settings, 1, producer=False, consumer=True, total_kv_heads=8), "engine-d")
+    params = prefill_params("p0", "e", "127.0.0.1", 5710, [1, 2], tp_size, 40)
+    request = SimpleNamespace(request_id="d0", prompt_token_ids=list(range(40)), kv_transfer_params=params)
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert params["do_remote_prefill"] is False  # the decode computes the prompt itself
+    assert [r.getMessage() for r in caplog.records] == [
+        f"kvwire: request d0: kv_transfer_params['tp_size'] = {tp_size} is over the largest prefill TP size this "
+        "connector takes (256); computing its prompt here"
+    ]
