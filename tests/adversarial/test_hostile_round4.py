@@ -5,12 +5,23 @@ Each test names the row of the issue it closes and fails on the code before the 
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
 from kvwire import BackendConfig, ConfigError
+from kvwire.compat.vllm import channel
+from kvwire.compat.vllm.channel import RegistrationClient, RegistrationServer
+from kvwire.control import PeerConnection
 
 # -- row 10: configuration sources ---------------------------------------------------------------------------
 
@@ -188,3 +199,178 @@ def test_row5_a_prefill_tp_size_past_the_bound_is_refused_at_get_num_new_matched
         f"kvwire: request d0: kv_transfer_params['tp_size'] = {tp_size} is over the largest prefill TP size this "
         "connector takes (256); computing its prompt here"
     ]
+
+
+# -- rows 1, 4, 6 and 5: the vLLM side channel ---------------------------------------------------------------
+
+
+def _until(fn: Callable[[], object], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not fn():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def _threads(prefix: str) -> int:
+    return sum(t.name.startswith(prefix) for t in threading.enumerate())
+
+
+def _echo(message: dict[str, Any]) -> dict[str, Any]:
+    return {"echo": message.get("n")}
+
+
+def _hello(sock: socket.socket) -> dict[str, Any]:
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = sock.recv(1)
+        assert byte, f"closed after {line!r}"
+        line += byte
+    return cast(dict[str, Any], json.loads(line))
+
+
+@pytest.fixture
+def server() -> Iterator[RegistrationServer]:
+    srv = RegistrationServer("127.0.0.1", 0, _echo, None, 5.0)
+    yield srv
+    srv.close()
+
+
+def _port(srv: RegistrationServer) -> int:
+    return int(srv.address.rsplit(":", 1)[1])
+
+
+def test_row6_a_line_whose_second_half_comes_0_3_s_later_is_answered(server: RegistrationServer) -> None:
+    """Before: the partial-line deadline was the 0.2 s poll, not the channel's timeout: closed without a reply."""
+    with socket.create_connection(("127.0.0.1", _port(server)), timeout=10) as sock:
+        assert _hello(sock) == {"kvwire_control": 1, "challenge": None}
+        sock.sendall(b'{"cmd": "register", ')
+        time.sleep(0.3)
+        sock.sendall(b'"n": 7}\n')
+        assert _hello(sock) == {"echo": 7}
+
+
+def test_row4_idle_connections_are_capped_in_threads_and_closed_once_idle() -> None:
+    """Before: one thread per connection, no cap; without a key an idle connection was held forever."""
+    before = _threads("kvwire-vllm-registrations")
+    srv = RegistrationServer("127.0.0.1", 0, _echo, None, 5.0)  # the defaults: 128 connections, 60 s idle
+    socks = [socket.create_connection(("127.0.0.1", _port(srv)), timeout=10) for _ in range(400)]
+    try:
+        time.sleep(0.5)  # every connection accepted (or turned away) by now
+        assert _threads("kvwire-vllm-registrations") - before <= 128
+        assert (srv.turned_away, srv.connections) == (400 - 128, 128)
+        assert (channel.MAX_CONNECTIONS, channel.IDLE_TIMEOUT_S) == (128, 60.0)
+    finally:
+        for sock in socks:
+            sock.close()
+        srv.close()
+    srv = RegistrationServer("127.0.0.1", 0, _echo, None, 5.0, max_connections=8, idle_s=0.5)
+    socks = [socket.create_connection(("127.0.0.1", _port(srv)), timeout=10) for _ in range(50)]
+    try:
+        _until(lambda: srv.turned_away == 42)
+        assert _threads("kvwire-vllm-registrations") - before <= 8
+        _until(lambda: srv.idled_out == 8 and srv.connections == 0, timeout_s=5)  # 0.5 s idle, then closed
+        for sock in socks[:8]:
+            assert _hello(sock) == {"kvwire_control": 1, "challenge": None}
+            assert sock.recv(1) == b""  # closed by the prefill
+        with PeerConnection("127.0.0.1", _port(srv), what="prefill", timeout_s=5) as conn:  # room again
+            assert conn.request({"n": 1}) == {"echo": 1}
+    finally:
+        for sock in socks:
+            sock.close()
+        srv.close()
+
+
+def test_row4_connections_that_never_answer_the_challenge_are_capped_and_end_at_the_deadline() -> None:
+    before = _threads("kvwire-vllm-registrations")
+    srv = RegistrationServer("127.0.0.1", 0, _echo, b"secret", 0.5, max_connections=8)
+    socks = [socket.create_connection(("127.0.0.1", _port(srv)), timeout=10) for _ in range(300)]
+    try:
+        peak, end = 0, time.monotonic() + 1.5
+        while time.monotonic() < end:  # some are turned away, the others' handshakes end at their 0.5 s deadline
+            peak = max(peak, _threads("kvwire-vllm-registrations") - before)
+            time.sleep(0.002)
+        assert 0 < peak <= 8 and srv.turned_away > 0
+        _until(lambda: srv.connections == 0, timeout_s=5)
+        with PeerConnection("127.0.0.1", _port(srv), what="prefill", timeout_s=5, key=b"secret") as conn:
+            assert conn.request({"n": 2}) == {"echo": 2}
+    finally:
+        for sock in socks:
+            sock.close()
+        srv.close()
+
+
+def test_row4_a_decode_reconnects_when_the_prefill_closed_its_idle_connection() -> None:
+    srv = RegistrationServer("127.0.0.1", 0, _echo, None, 5.0, idle_s=0.3)
+    client = RegistrationClient(None, 5.0)
+    replies: list[tuple[dict[str, Any] | None, str | None]] = []
+    try:
+        client.send("127.0.0.1", _port(srv), {"n": 1}, lambda r, why: replies.append((r, why)))
+        _until(lambda: len(replies) == 1)
+        _until(lambda: srv.idled_out == 1)
+        client.send("127.0.0.1", _port(srv), {"n": 2}, lambda r, why: replies.append((r, why)))
+        _until(lambda: len(replies) == 2)
+        assert replies == [({"echo": 1}, None), ({"echo": 2}, None)]
+    finally:
+        client.close()
+        srv.close()
+
+
+CHILD = """
+import logging, resource, sys
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+from kvwire.compat.vllm.channel import RegistrationServer
+server = RegistrationServer("127.0.0.1", 0, lambda m: {"echo": m.get("n")}, None, 5.0)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+print(server.address, flush=True)
+sys.stdin.readline()
+server.close()
+"""
+
+
+def test_row1_the_side_channel_survives_running_out_of_file_descriptors() -> None:
+    """Before: the accept thread returned on EMFILE and never accepted again: every later registration timed out."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        port = int(child.stdout.readline().rsplit(":", 1)[1])
+        flood = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(100)]  # past 64 descriptors
+        time.sleep(0.5)
+        for sock in flood:
+            sock.close()
+        with PeerConnection("127.0.0.1", port, what="prefill", timeout_s=10) as conn:
+            assert conn.request({"n": 3}) == {"echo": 3}
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(10) == 0
+        assert child.stderr is not None
+        err = child.stderr.read()
+        assert err.count("kvwire: the side channel at 127.0.0.1:") == 1, err  # logged once
+        assert (
+            "cannot accept a decode's connection ([Errno 24] Too many open files); retrying as descriptors free up"
+            in err
+        )
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_row5_a_decodes_registrations_to_many_prefill_ranks_take_a_bounded_pool_of_threads() -> None:
+    """Before: one executor, so one thread, per prefill rank (4,096 threads for tp_size 4096)."""
+    before = _threads("kvwire-vllm-register_")
+    listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(64)]  # never accept: no hello ever
+    client = RegistrationClient(None, 1.0)
+    reasons: list[str | None] = []
+    try:
+        for listener in listeners:
+            client.send("127.0.0.1", listener.getsockname()[1], {"n": 0}, lambda r, why: reasons.append(why))
+        time.sleep(0.3)
+        assert _threads("kvwire-vllm-register_") - before <= 16
+        assert channel.MAX_CLIENT_THREADS == 16
+        _until(lambda: len(reasons) == 64, timeout_s=30)  # 64 / 16 threads x the 1 s handshake deadline
+        assert all(r is not None and "did not complete the control-key handshake within 1 s" in r for r in reasons)
+    finally:
+        client.close()
+        for listener in listeners:
+            listener.close()

@@ -74,6 +74,11 @@ class Channel:
     def label(self) -> str:
         return self.what
 
+    @property
+    def holds_data(self) -> bool:
+        """True while bytes of an unread line (complete, or the start of one) are held: a read has them."""
+        return bool(self._lines or self._partial)
+
     # what the other end is (subclasses)
 
     def _gone(self) -> bool:
