@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+from ports import free_port_run
 
 from kvwire import BackendConfig, ConfigError
 from kvwire.compat.vllm import channel
@@ -211,6 +212,10 @@ def _until(fn: Callable[[], object], timeout_s: float = 10.0) -> None:
         time.sleep(0.005)
 
 
+def free_port() -> int:
+    return free_port_run(8)
+
+
 def _threads(prefix: str) -> int:
     return sum(t.name.startswith(prefix) for t in threading.enumerate())
 
@@ -374,3 +379,137 @@ def test_row5_a_decodes_registrations_to_many_prefill_ranks_take_a_bounded_pool_
         client.close()
         for listener in listeners:
             listener.close()
+
+
+# -- row 2: a lone surrogate, and nothing raising out of vLLM's step ----------------------------------------
+
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+
+def vllm_kv_caches(num_blocks: int = 8, heads: int = 2) -> dict[str, Any]:
+    """vLLM's allocate_kv_cache on CPU (LBHNC): views at layer_stride into one int8 buffer."""
+    torch = pytest.importorskip("torch")
+    block = heads * 32 * 128 * 2
+    raw = torch.zeros(len(LAYERS) * num_blocks * block, dtype=torch.int8)
+    shape, stride = (num_blocks, heads, 32, 256), (block, 32 * 256, 256, 1)
+    return {name: torch.as_strided(raw, shape, stride, i * num_blocks * block).view(torch.float16)
+            for i, name in enumerate(LAYERS)}  # fmt: skip
+
+
+def _sender(submit: Callable[..., Any] | None = None) -> Any:
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from kvwire.compat.vllm import layout_from_kv_caches
+    from kvwire.compat.vllm.rank import WorkerRank
+    from kvwire.compat.vllm.sending import Sender
+
+    def written(*_: object, **__: object) -> Future[int]:
+        done: Future[int] = Future()
+        done.set_result(1)
+        return done
+
+    connection = SimpleNamespace(
+        config=SimpleNamespace(timeout_s=10.0), add_peer=lambda endpoint, layout: None, submit_kvcache=submit or written
+    )
+    mapped = layout_from_kv_caches(vllm_kv_caches())
+    return Sender(WorkerRank(connection, mapped, 0, 1), lease_s=30)  # type: ignore[arg-type]
+
+
+def _registration(prefill: str = "p0", decode: str = "d0", **change: Any) -> dict[str, Any]:
+    from kvwire import PeerDescription
+    from kvwire.compat.vllm import layout_from_kv_caches
+    from kvwire.compat.vllm.registration import Registration
+
+    peer = PeerDescription("ep", layout_from_kv_caches(vllm_kv_caches()).layout)
+    return {**Registration(prefill, decode, (1, 2), (3, 4), LAYERS, 0, 1, 30.0, peer).to_dict(), **change}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"decode_request_id": "d\ud800"}, "registration: 'decode_request_id' is not UTF-8 text (surrogates not "
+         "allowed at character 1): 'd\\ud800'"),
+        ({"prefill_request_id": "\udfffp"}, "registration: 'prefill_request_id' is not UTF-8 text (surrogates not "
+         "allowed at character 0): '\\udfffp'"),
+        ({"layers": [LAYERS[0], "x\ud800"]}, "registration: layers[1] is not UTF-8 text (surrogates not allowed at "
+         "character 1): 'x\\ud800'"),
+    ],
+    ids=["decode-id", "prefill-id", "layer"],
+)  # fmt: skip
+def test_row2_a_lone_surrogate_is_refused_at_parse(change: dict[str, Any], message: str) -> None:
+    """Before: queued; when the request became ready, UnicodeEncodeError escaped WorkerSide.start (vLLM's step)."""
+    sender = _sender()
+    assert sender.handle(_registration(**change)) == {"error": message}
+    sender.mark_ready(_ready("p0"))  # nothing queued: nothing raises
+    peer = _registration()["peer"]
+    assert sender.handle(_registration(peer={**peer, "endpoint": "e\ud800"}))["error"] == (
+        "registration: the peer's endpoint is not UTF-8 text (surrogates not allowed at character 1): 'e\\ud800'"
+    )
+
+
+def _ready(request_id: str) -> Any:
+    from kvwire.compat.vllm.metadata import ReadyToSend
+
+    return ReadyToSend(request_id, (1, 2))
+
+
+def test_row2_a_write_that_raises_anything_is_that_requests_failure_only() -> None:
+    """Before: a non-kvwire exception from a queued registration's write escaped mark_ready into vLLM's step."""
+    calls: list[str] = []
+
+    def submit(*_: object, notification: bytes, **__: object) -> Any:
+        calls.append(notification.decode())
+        raise RuntimeError("the engine broke")
+
+    sender = _sender(submit)
+    assert sender.handle(_registration()) == {"queued": "p0"}
+    sender.mark_ready(_ready("p0"))  # in vLLM's step: logged, not raised
+    assert calls == ["kvwire.vllm:d0"] and list(sender.failures) == ["RuntimeError: the engine broke"]
+
+
+def test_row2_worker_start_fails_only_the_request_whose_work_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: an exception from one request's work left WorkerSide.start, and the step's other requests were
+    never marked ready or registered."""
+    from kvwire.compat.vllm import ConnectorSettings
+    from kvwire.compat.vllm.metadata import StepMetadata, ToReceive
+    from kvwire.compat.vllm.params import RemotePrefill
+    from kvwire.compat.vllm.settings import EngineSide
+    from kvwire.compat.vllm.worker import WorkerSide
+
+    settings = ConnectorSettings.from_extra_config({"backend": "local", "side_channel_port": free_port()})
+    both = WorkerSide(EngineSide(settings, 1, producer=True, consumer=True), 0)
+    both.register_kv_caches(vllm_kv_caches())
+    try:
+        sender, receiver, client = both.sender, both.receiver, both._client
+        assert sender is not None and receiver is not None and client is not None
+        marked: list[str] = []
+        real_mark = sender.mark_ready
+
+        def mark(item: Any) -> None:
+            if item.request_id == "p0":
+                raise RuntimeError("p0 cannot be marked")
+            marked.append(item.request_id)
+            real_mark(item)
+
+        sent: list[str] = []
+
+        def send(host: str, port: int, message: dict[str, Any], on_reply: Any) -> None:
+            if message["decode_request_id"] == "d0":
+                raise RuntimeError("d0 cannot be sent")
+            sent.append(message["decode_request_id"])
+
+        monkeypatch.setattr(sender, "mark_ready", mark)
+        monkeypatch.setattr(client, "send", send)
+        remote = RemotePrefill("p9", "e", "127.0.0.1", 1, (1, 2), 1, 40)
+        meta = StepMetadata(
+            to_send=(_ready("p0"), _ready("p1")),
+            to_receive=(ToReceive("d0", (3, 4), remote), ToReceive("d1", (5, 6), remote)),
+        )
+        both.start(meta)  # vLLM's step: nothing raises
+        assert marked == ["p1"] and sent == ["d1"]
+        assert both.get_finished() == (None, {"d0"}) and both.load_errors() == {3, 4}
+        assert receiver.failures == {"d0": "registering its blocks failed: RuntimeError: d0 cannot be sent"}
+        assert receiver.pending == 1  # d1 waits for its prefill
+    finally:
+        both.shutdown()

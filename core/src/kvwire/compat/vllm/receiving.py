@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvwire.compat.vllm.channel import RegistrationClient, ReplyCallback
@@ -54,6 +54,7 @@ class _Pending:
     arrived: set[int | None]
     settled: set[int | None]  # arrived, refused or unreachable
     failure: str | None = None  # the first sender's failure
+    registered: set[int | None] = field(default_factory=set)  # senders the registration was handed to
 
 
 class Receiver:
@@ -122,6 +123,23 @@ class Receiver:
                 message,
                 self._on_reply(item.request_id, rank, remote.tp_size),
             )
+            with self._lock:
+                self._pending[item.request_id].registered.add(rank)
+
+    def fail_request(self, item: ToReceive, reason: str) -> None:
+        """:meth:`start` failed for ``item``: it fails, reported (its blocks as load errors) once every sender
+        its registration was handed to is settled, as for a refusal; the senders it never reached are settled."""
+        log.error("kvwire: request %s: %s", item.request_id, reason)
+        with self._lock:
+            pending = self._pending.get(item.request_id)
+            if pending is None:
+                valid = tuple(b for b in item.block_ids if isinstance(b, int) and 0 < b < self._local.num_blocks)
+                pending = self._pending[item.request_id] = _Pending(
+                    valid, self._clock() + self._timeout_s, frozenset({None}), set(), set()
+                )
+            if pending.failure is None:
+                pending.failure = reason
+            pending.settled.update(pending.senders - pending.registered)
 
     def _on_reply(self, request_id: str, rank: int | None, tp_size: int) -> ReplyCallback:
         """The callback for sender ``rank``'s answer to ``request_id``'s registration."""

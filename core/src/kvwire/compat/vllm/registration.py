@@ -108,11 +108,26 @@ def _ids(data: Mapping[str, Any], name: str) -> tuple[int, ...]:
     return tuple(raw)
 
 
+def _utf8(value: str, name: str) -> str:
+    """``value``, or InvalidTransferError naming ``name`` when it is not UTF-8 text (a lone surrogate: ``"\\ud800"``
+    is valid JSON, and would raise UnicodeEncodeError where the id is encoded, in vLLM's step)."""
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidTransferError(
+            f"registration: {name} is not UTF-8 text ({exc.reason} at character {exc.start}): {value!r:.60}"
+        ) from None
+    return value
+
+
 def _text(data: Mapping[str, Any], name: str) -> str:
     value = data.get(name)
     if not isinstance(value, str) or not value or len(value) > _MAX_ID_CHARS:
-        raise InvalidTransferError(f"registration: {name!r} must be a non-empty string, got {value!r:.80}")
-    return value
+        raise InvalidTransferError(
+            f"registration: {name!r} must be a non-empty string of at most {_MAX_ID_CHARS} characters, "
+            f"got {value!r:.80}"
+        )
+    return _utf8(value, repr(name))
 
 
 def _int(data: Mapping[str, Any], name: str, minimum: int) -> int:
@@ -187,15 +202,21 @@ class Registration:
         layers = data.get("layers")
         if not isinstance(layers, list) or not all(isinstance(n, str) for n in layers):
             raise InvalidTransferError(f"registration: 'layers' must be a list of layer names, got {layers!r:.80}")
+        for i, name in enumerate(layers):
+            _utf8(name, f"layers[{i}]")
+        prefill_request_id, decode_request_id = _text(data, "prefill_request_id"), _text(data, "decode_request_id")
+        tp_rank, tp_size = _int(data, "tp_rank", 0), _int(data, "tp_size", 1)
+        peer = PeerDescription.from_dict(data.get("peer"))
+        _utf8(peer.endpoint, "the peer's endpoint")
         return cls(
-            prefill_request_id=_text(data, "prefill_request_id"),
-            decode_request_id=_text(data, "decode_request_id"),
+            prefill_request_id=prefill_request_id,
+            decode_request_id=decode_request_id,
             prefill_block_ids=prefill_ids,
             decode_block_ids=decode_ids,
             layers=tuple(layers),
-            tp_rank=_int(data, "tp_rank", 0),
-            tp_size=_int(data, "tp_size", 1),
+            tp_rank=tp_rank,
+            tp_size=tp_size,
             valid_for_s=float(valid),
-            peer=PeerDescription.from_dict(data.get("peer")),
+            peer=peer,
             block_order=cast(BlockOrder, order),
         )

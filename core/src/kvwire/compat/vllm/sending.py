@@ -87,9 +87,10 @@ class Sender:
             for waiting in self._waiting.pop(item.request_id, {}).values():
                 try:
                     self._start(*waiting)
-                except KvwireError as exc:  # this runs in vLLM's step: log it, never raise it there
-                    self.failures.append(str(exc))
-                    log.error("kvwire: request %s: refused the decode's registration: %s", item.request_id, exc)
+                except Exception as exc:  # this runs in vLLM's step: log it, never raise it there
+                    reason = str(exc) if isinstance(exc, KvwireError) else f"{type(exc).__name__}: {exc}"
+                    self.failures.append(reason)
+                    log.error("kvwire: request %s: refused the decode's registration: %s", item.request_id, reason)
 
     def handle(self, message: dict[str, Any]) -> dict[str, Any]:
         """Answer one side-channel message: start (or queue) the write, or ``{"error": why}``."""

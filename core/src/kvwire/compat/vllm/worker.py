@@ -96,17 +96,27 @@ class WorkerSide:
         )
 
     def start(self, meta: StepMetadata) -> None:
-        """Start one step's work: mark finished prefills ready, register the decode's new requests."""
+        """Start one step's work: mark finished prefills ready, register the decode's new requests.
+
+        It runs in vLLM's step, so nothing raises out of it: a request whose work fails is logged and fails
+        alone (a decode request then reports its blocks as load errors), and the step's other requests go on.
+        """
         for ready in meta.to_send:
             if self.sender is None:
                 log.error("kvwire: request %s finished on a worker that is not a kv_producer", ready.request_id)
                 continue
-            self.sender.mark_ready(ready)
+            try:
+                self.sender.mark_ready(ready)
+            except Exception:  # the step's other requests go on; this one is released at its lease's end
+                log.exception("kvwire: request %s: marking its blocks ready failed", ready.request_id)
         for item in meta.to_receive:
             if self.receiver is None:
                 log.error("kvwire: request %s waits for KV on a worker that is not a kv_consumer", item.request_id)
                 continue
-            self.receiver.start(item)
+            try:
+                self.receiver.start(item)
+            except Exception as exc:  # that request fails (its blocks become load errors); the others go on
+                self.receiver.fail_request(item, f"registering its blocks failed: {type(exc).__name__}: {exc}")
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose blocks vLLM may free here, requests whose blocks arrived or failed)."""
