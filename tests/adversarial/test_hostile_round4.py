@@ -513,3 +513,84 @@ def test_row2_worker_start_fails_only_the_request_whose_work_raised(monkeypatch:
         assert receiver.pending == 1  # d1 waits for its prefill
     finally:
         both.shutdown()
+
+
+# -- rows 3 and 7: waiting registrations, and registrations for blocks already gone ----------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _clocked_sender() -> tuple[Any, Clock]:
+    sender, clock = _sender(), Clock()
+    sender._clock = clock
+    return sender, clock
+
+
+def test_row3_waiting_registrations_are_bounded_in_count_and_age() -> None:
+    """Before: each kept until valid_for_s (1e300: forever), no count bound."""
+    from kvwire.compat.vllm.sending import MAX_WAITING
+
+    sender, clock = _clocked_sender()
+    base = _registration(valid_for_s=1e300)
+    for i in range(1024):
+        assert sender.handle({**base, "prefill_request_id": f"p{i}"}) == {"queued": f"p{i}"}
+    assert sender.handle({**base, "prefill_request_id": "p1024"}) == {
+        "error": "registration for 'p1024': 1024 registrations already wait for requests this prefill does not hold "
+        "(yet), the most it keeps; refused (nothing was sent)"
+    }
+    assert MAX_WAITING == 1024
+    clock.now += 29.9
+    assert sender.finished() == set() and len(sender._waiting) == 1024
+    clock.now += 0.2  # lease_s = 30: a registration waits at most that long for a request this prefill does not hold
+    assert sender.finished() == set() and sender._waiting == {}
+    assert sender.handle({**base, "prefill_request_id": "p1024"}) == {"queued": "p1024"}
+
+
+def test_row3_a_second_registration_for_a_queued_request_is_refused_not_replacing() -> None:
+    """Before: it silently replaced the first."""
+    sender = _sender()
+    assert sender.handle(_registration()) == {"queued": "p0"}
+    other = _registration(decode="d-other", decode_block_ids=[5, 6])
+    assert sender.handle(other) == {
+        "error": "registration for 'p0': one from the decode already waits for this request; a second is refused "
+        "(the first stands)"
+    }
+    assert sender._waiting["p0"][None][0].decode_block_ids == (3, 4)
+
+
+def test_row3_a_layout_of_other_buffers_than_layers_is_refused_before_it_is_kept() -> None:
+    """Before: a 2,000-buffer layout was kept for each waiting registration (+80 MiB per 100)."""
+    from kvwire import KVBuffer, KVLayout, PeerDescription
+
+    huge = KVLayout(tuple(KVBuffer((1 << 20) + i * 8 * 16384, 16384, 8, i) for i in range(2000)))
+    peer = PeerDescription("ep", huge).to_dict()
+    sender = _sender()
+    assert sender.handle(_registration(peer=peer)) == {
+        "error": "registration for 'p0': the decode's layout has 2000 buffers, this prefill's 2 (one per layer); "
+        "nothing was sent"
+    }
+    assert sender._waiting == {}
+
+
+def test_row7_a_registration_for_blocks_already_written_or_released_is_refused_at_once() -> None:
+    """Before: answered "queued"; the decode waited its whole load_timeout_s."""
+    sender, clock = _clocked_sender()
+    sender.mark_ready(_ready("p0"))
+    assert sender.handle(_registration()) == {"accepted": "p0"}  # written at once (a finished future)
+    assert sender.finished() == {"p0"}
+    assert sender.handle(_registration(decode="d-replay")) == {
+        "error": "request 'p0': its blocks were written to a decode and freed; nothing was sent"
+    }
+    sender.mark_ready(_ready("p1"))
+    clock.now += 30
+    assert sender.finished() == {"p1"}
+    assert sender.handle(_registration("p1", "d1")) == {
+        "error": "request 'p1': its lease ended (lease_s = 30 s) and its blocks were freed; nothing was sent"
+    }
+    assert sender._waiting == {}

@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -46,12 +46,17 @@ from kvwire.compat.vllm.registration import Registration, notification_for
 from kvwire.errors import InvalidTransferError, KvwireError
 from kvwire.planning.head_slicing import senders, slicing_of
 
-__all__ = ["Sender"]
+__all__ = ["MAX_REMEMBERED", "MAX_WAITING", "Sender"]
 
 log = logging.getLogger("kvwire.compat.vllm")
 
 #: Seconds kept between a write's latest end and the moment its decode stops waiting (message delays).
 _MARGIN_S = 1.0
+#: Most registrations kept waiting for requests this prefill does not hold (yet); past it one more is refused.
+MAX_WAITING: Final = 1024
+#: Most requests whose blocks were freed (written, or unclaimed at the lease's end) remembered, so that a
+#: registration for one is refused at once instead of waiting for blocks that will never come.
+MAX_REMEMBERED: Final = 4096
 
 
 @dataclass
@@ -74,9 +79,11 @@ class Sender:
         self._lease_s = lease_s
         self._lock = threading.RLock()  # a future that is already done runs its callback at once
         self._ready: dict[str, _Ready] = {}
-        # request -> decode rank (None: equal TP sizes) -> (registration, when the decode stops waiting)
-        self._waiting: dict[str, dict[int | None, tuple[Registration, float]]] = {}
+        # request -> decode rank (None: equal TP sizes) -> (registration, when the decode stops waiting,
+        # when it stops waiting here: at most lease_s after it came)
+        self._waiting: dict[str, dict[int | None, tuple[Registration, float, float]]] = {}
         self._done: set[str] = set()
+        self._gone: OrderedDict[str, str] = OrderedDict()  # request -> why its blocks are no longer here
         self._peers: dict[str, Any] = {}  # endpoint -> the layout add_peer was given
         self.failures: deque[str] = deque(maxlen=KEPT_FAILURES)  # the latest refusals and failed writes
 
@@ -84,9 +91,10 @@ class Sender:
         """The scheduler finished ``item.request_id``: its blocks may go to the decode that registers."""
         with self._lock:
             self._ready[item.request_id] = _Ready(tuple(item.block_ids), self._clock() + self._lease_s)
-            for waiting in self._waiting.pop(item.request_id, {}).values():
+            self._gone.pop(item.request_id, None)
+            for registration, decode_gives_up, _ in self._waiting.pop(item.request_id, {}).values():
                 try:
-                    self._start(*waiting)
+                    self._start(registration, decode_gives_up)
                 except Exception as exc:  # this runs in vLLM's step: log it, never raise it there
                     reason = str(exc) if isinstance(exc, KvwireError) else f"{type(exc).__name__}: {exc}"
                     self.failures.append(reason)
@@ -98,14 +106,30 @@ class Sender:
             registration = Registration.from_dict(message)
             self._check(registration)
             decode_gives_up = self._clock() + registration.valid_for_s
+            request_id = registration.prefill_request_id
             with self._lock:
-                if registration.prefill_request_id in self._ready:
+                if request_id in self._ready:
                     self._start(registration, decode_gives_up)
-                    return {"accepted": registration.prefill_request_id}
+                    return {"accepted": request_id}
+                gone = self._gone.get(request_id)
+                if gone is not None:
+                    raise InvalidTransferError(f"request {request_id!r}: {gone}; nothing was sent")
                 rank = None if registration.tp_size == self._tp_size else registration.tp_rank
-                queued = self._waiting.setdefault(registration.prefill_request_id, {})
-                queued[rank] = (registration, decode_gives_up)
-                return {"queued": registration.prefill_request_id}
+                queued = self._waiting.get(request_id, {})
+                if rank in queued:
+                    who = "the decode" if rank is None else f"decode rank {rank}"
+                    raise InvalidTransferError(
+                        f"registration for {request_id!r}: one from {who} already waits for this request; a "
+                        "second is refused (the first stands)"
+                    )
+                if sum(map(len, self._waiting.values())) >= MAX_WAITING:
+                    raise InvalidTransferError(
+                        f"registration for {request_id!r}: {MAX_WAITING} registrations already wait for requests "
+                        "this prefill does not hold (yet), the most it keeps; refused (nothing was sent)"
+                    )
+                expires = min(decode_gives_up, self._clock() + self._lease_s)
+                self._waiting.setdefault(request_id, {})[rank] = (registration, decode_gives_up, expires)
+                return {"queued": request_id}
         except KvwireError as exc:  # LayoutError and InvalidTransferError included: the decode is told why
             self.failures.append(str(exc))
             self._stats.record_refusal()
@@ -125,6 +149,12 @@ class Sender:
                 f"({BLOCK_ORDERS[reg.block_order]}), this prefill's {self._local.order} "
                 f"({BLOCK_ORDERS[self._local.order]}): a whole block would land with its bytes in another order; "
                 "run both sides with the same KV-cache layout and attention kind (nothing was sent)"
+            )
+        theirs, ours = len(reg.peer.layout.buffers), len(self._local.layout.buffers)
+        if theirs != ours:
+            raise InvalidTransferError(
+                f"registration for {reg.prefill_request_id!r}: the decode's layout has {theirs} buffers, this "
+                f"prefill's {ours} (one per layer); nothing was sent"
             )
         if reg.tp_size == self._tp_size:
             if reg.tp_rank != self._tp_rank:
@@ -261,6 +291,13 @@ class Sender:
             if ready.in_flight <= 0 and (ready.expected is None or len(ready.sent_to) >= ready.expected):
                 del self._ready[request_id]  # written to every decode rank it goes to: vLLM may free it
                 self._done.add(request_id)
+                self._forget(request_id, "its blocks were written to a decode and freed")
+
+    def _forget(self, request_id: str, why: str) -> None:
+        """Remember that ``request_id``'s blocks are gone, and why (the latest :data:`MAX_REMEMBERED`)."""
+        self._gone[request_id] = why
+        while len(self._gone) > MAX_REMEMBERED:
+            self._gone.popitem(last=False)
 
     def _tell_decode(self, endpoint: str, message: bytes) -> None:
         """Send the decode the failure notice (its blocks are free for vLLM at once); a failure is logged."""
@@ -285,9 +322,14 @@ class Sender:
                         log.warning("kvwire: request %s: no decode asked for its blocks within the lease", request_id)
                     del self._ready[request_id]
                     self._done.add(request_id)
+                    self._forget(
+                        request_id,
+                        f"its lease ended (lease_s = {self._lease_s:g} s) and its blocks were freed"
+                        + (" after the writes to other decode ranks" if ready.sent_to else ""),
+                    )
             for request_id, queued in list(self._waiting.items()):
-                for rank, (_, decode_gives_up) in list(queued.items()):
-                    if decode_gives_up <= now:
+                for rank, (_, _, expires) in list(queued.items()):
+                    if expires <= now:
                         del queued[rank]
                 if not queued:
                     del self._waiting[request_id]
