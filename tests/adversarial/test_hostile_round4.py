@@ -594,3 +594,107 @@ def test_row7_a_registration_for_blocks_already_written_or_released_is_refused_a
         "error": "request 'p1': its lease ended (lease_s = 30 s) and its blocks were freed; nothing was sent"
     }
     assert sender._waiting == {}
+
+
+# -- rows 8 and 9, and the landing release during a scatter ------------------------------------------------
+
+
+def _final(heads: int = 8, decode_tp: int = 1, rank: int = 0, pages: int = 16) -> Any:
+    import numpy as np
+
+    from kvwire import HeadLayout, KVLayout
+
+    held = HeadLayout(max(1, heads // decode_tp), heads, 128, 2, 16)
+    k, v = (np.zeros((pages, held.page_bytes), np.uint8) for _ in "kv")
+    return KVLayout.mha([k], [v], attn_tp_size=decode_tp, attn_tp_rank=rank, heads=held), (k, v)
+
+
+def test_row8_repeated_and_out_of_range_senders_are_refused_before_anything_is_reserved() -> None:
+    """Before: reserve(2, [0, 0]) reserved 2 pages named by nothing; a sender of 2**63 raised OverflowError halfway,
+    leaving the earlier senders' pages reserved."""
+    from kvwire import InvalidTransferError
+    from kvwire.landing import LandingCredits
+
+    layout, _ = _final()
+    credits = LandingCredits(layout)
+    for senders, message in (
+        ([0, 0], "senders[1] = 0 repeats senders[0]: each sender gets pages of its own; nothing was reserved"),
+        ([0, 1, 2**63], f"senders[2] = {2**63} is out of range: a sender is an int in 0..{2**63 - 1}; nothing was "
+         "reserved"),
+    ):  # fmt: skip
+        with pytest.raises(InvalidTransferError) as exc:
+            credits.reserve(2, senders)
+        assert str(exc.value) == message
+        assert credits.free == 16  # all or nothing
+    assert list(credits.reserve(2, [3, 2**63 - 1]) or {}) == [3, 2**63 - 1]
+
+
+def _held(heads: int, tp: int, rank: int) -> range:
+    """The KV heads TP rank ``rank`` of ``tp`` holds (vLLM's and sglang's split; the test's own)."""
+    if tp <= heads:
+        return range(rank * (heads // tp), (rank + 1) * (heads // tp))
+    return range(rank * heads // tp, rank * heads // tp + 1)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "heads"), [(16, 1, 8), (32, 2, 8), (64, 1, 4), (8, 2, 8),
+                                                                 (16, 4, 2), (4, 1, 8)])  # fmt: skip
+def test_row9_a_landing_keeps_the_lowest_rank_of_each_head(prefill_tp: int, decode_tp: int, heads: int) -> None:
+    from kvwire.landing import Landing
+
+    for d in range(decode_tp):
+        final, _ = _final(heads, decode_tp, d)
+        first = d * prefill_tp // decode_tp
+        routed = range(first, first + prefill_tp // decode_tp)
+        mine = _held(heads, decode_tp, d)
+        want = sorted({min(r for r in routed if h in _held(heads, prefill_tp, r)) for h in mine})
+        with Landing(final, prefill_tp, 4) as landing:
+            assert landing.senders == tuple(want)
+
+
+@pytest.mark.parametrize("prefill_tp", [2**16, 2**20])
+def test_row9_a_landing_for_many_prefill_ranks_is_built_in_time_of_the_heads(prefill_tp: int) -> None:
+    """Before: 3 s for 65,536 prefill ranks, more than 30 s for 2**20 (every rank's slicing, replicas included)."""
+    from kvwire.landing import Landing
+
+    final, _ = _final()
+    t0 = time.perf_counter()
+    with Landing(final, prefill_tp, 4) as landing:
+        assert time.perf_counter() - t0 < 0.5
+        assert landing.senders == tuple(range(0, prefill_tp, prefill_tp // 8))
+
+
+def test_landing_pages_are_not_released_while_a_scatter_reads_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in issue 37: release() was accepted while a scatter() of the same pages ran, and reserve() could then
+    hand them out mid-copy."""
+    from kvwire import InvalidTransferError
+    from kvwire.landing import Landing, zone
+
+    final, _ = _final(pages=8)
+    inside, go = threading.Event(), threading.Event()
+    real = zone._Copy.run_all
+
+    def slow(self: Any, *args: Any) -> None:
+        inside.set()
+        assert go.wait(10)
+        real(self, *args)
+
+    monkeypatch.setattr(zone._Copy, "run_all", slow)
+    with Landing(final, 2, 8, threads=1) as landing:
+        reserved = landing.reserve(2)
+        assert reserved is not None
+        pages = reserved[0]
+        import numpy as np
+
+        scatter = threading.Thread(target=landing.scatter, args=(0, pages, np.array([1, 2])))
+        scatter.start()
+        assert inside.wait(10)
+        with pytest.raises(InvalidTransferError) as exc:
+            landing.release(pages)
+        assert str(exc.value) == (
+            f"pages[0] = {int(pages[0])} is being scattered: release it once scatter() returns; nothing was released"
+        )
+        assert landing.credits.free == 4  # still reserved: not handed out again
+        go.set()
+        scatter.join(10)
+        landing.release(pages)
+        assert landing.credits.free == 6

@@ -28,6 +28,7 @@ from kvwire.planning.checks import check_range, index_array, raise_repeat
 __all__ = ["LandingCredits", "whole_number"]
 
 _FREE: Final = -1
+_MAX_SENDER: Final = (1 << 63) - 1  # a page's owner is an int64
 
 
 def whole_number(name: str, value: object, minimum: int, error: type[Exception] = InvalidTransferError) -> int:
@@ -52,6 +53,7 @@ class LandingCredits:
         if self.pages < 1:
             raise LayoutError("a landing pool needs at least one page")
         self._owner = np.full(self.pages, _FREE, dtype=np.int64)  # the sender each page is reserved for
+        self._held = np.zeros(self.pages, dtype=np.int64)  # scatters reading each page now
         self._lock = threading.Lock()
 
     @property
@@ -71,6 +73,19 @@ class LandingCredits:
         """
         n = whole_number("count", count, 1)
         owners = [whole_number(f"senders[{i}]", s, 0) for i, s in enumerate(senders)]
+        first: dict[int, int] = {}
+        for i, owner in enumerate(owners):  # all checked before anything is reserved
+            if owner > _MAX_SENDER:
+                raise InvalidTransferError(
+                    f"senders[{i}] = {owner} is out of range: a sender is an int in 0..{_MAX_SENDER}; nothing was "
+                    "reserved"
+                )
+            j = first.setdefault(owner, i)
+            if j != i:
+                raise InvalidTransferError(
+                    f"senders[{i}] = {owner} repeats senders[{j}]: each sender gets pages of its own; nothing was "
+                    "reserved"
+                )
         if n * len(owners) > self.pages:
             raise InvalidTransferError(
                 f"count = {n} pages for each of {len(owners)} senders is more than the landing pool's "
@@ -89,11 +104,32 @@ class LandingCredits:
             return out
 
     def release(self, pages: NDArray[np.integer[Any]]) -> None:
-        """Give back reserved ``pages``: all of them, or none when one is not reserved (InvalidTransferError)."""
+        """Give back reserved ``pages``: all of them, or none (InvalidTransferError) when one is not reserved or a
+        scatter reads it now (:meth:`reserve` could hand it out mid-copy)."""
         ids = self._ids("pages", pages)
         with self._lock:
             self._check_owner("pages", ids, None)
+            busy = np.flatnonzero(self._held[ids])
+            if busy.size:
+                j = int(busy[0])
+                raise InvalidTransferError(
+                    f"pages[{j}] = {int(ids[j])} is being scattered: release it once scatter() returns; nothing was "
+                    "released"
+                )
             self._owner[ids] = _FREE
+
+    def hold(self, name: str, pages: object, sender: int) -> NDArray[np.int64]:
+        """:meth:`check`, and mark the pages read until :meth:`unhold` (a :meth:`release` meanwhile is refused)."""
+        ids = self._ids(name, pages)
+        with self._lock:
+            self._check_owner(name, ids, sender)
+            self._held[ids] += 1
+        return ids
+
+    def unhold(self, ids: NDArray[np.int64]) -> None:
+        """The read of ``ids`` that :meth:`hold` marked is over."""
+        with self._lock:
+            self._held[ids] -= 1
 
     def check(self, name: str, pages: object, sender: int) -> NDArray[np.int64]:
         """``pages`` as int64: distinct landing pages reserved for ``sender`` (else InvalidTransferError)."""

@@ -95,7 +95,7 @@ class Landing:
         kv = [host_bytes(b.base, b.num_pages, b.page_bytes) for b in final.buffers]
         # per sender: its copy and the (landing, KV) views of every buffer it copies between, made once
         self._copies: dict[int, tuple[_Copy, list[tuple[NDArray[Any], NDArray[Any]]]]] = {}
-        for p in senders(tp, d_tp, decode_rank):
+        for p in _candidates(tp, d_tp, decode_rank, own.total_kv_heads):
             s = slicing_of(KVLayout(self.layout.buffers, tp, p, own), final)
             if s is not None and s.sends:
                 copy = _Copy(s)
@@ -137,7 +137,18 @@ class Landing:
                 f"(of {self.final.attn_tp_size}) receives from prefill ranks {list(self.senders)} "
                 f"(of {self.prefill_tp})"
             )
-        land = self.credits.check("landing_pages", landing_pages, int(sender))
+        land = self.credits.hold("landing_pages", landing_pages, int(sender))  # not released while read
+        try:
+            self._scatter(planned, land, final_pages)
+        finally:
+            self.credits.unhold(land)
+
+    def _scatter(
+        self,
+        planned: tuple[_Copy, list[tuple[NDArray[Any], NDArray[Any]]]],
+        land: NDArray[np.int64],
+        final_pages: NDArray[np.integer[Any]],
+    ) -> None:
         dst = index_array("final_pages", final_pages).astype(np.int64, copy=False)
         n = land.shape[0]
         if dst.shape[0] != n:
@@ -217,6 +228,18 @@ class _Copy:
     ) -> None:
         for src, out in jobs:
             self.run(src, out, source, dst)
+
+
+def _candidates(prefill_tp: int, decode_tp: int, decode_rank: int, total_heads: int) -> list[int]:
+    """The senders of decode rank ``decode_rank`` that may send anything: all of them, but with more prefill ranks
+    than KV heads only the lowest rank holding each head (the others hold replicas it covers), so a Landing is
+    built in time proportional to the heads, not to ``prefill_tp`` (65,536 ranks took 3 s)."""
+    routed = senders(prefill_tp, decode_tp, decode_rank)
+    if prefill_tp <= total_heads:
+        return list(routed)
+    first, last = routed[0], routed[-1]
+    heads = range(first * total_heads // prefill_tp, last * total_heads // prefill_tp + 1)  # rank r holds r*H//P
+    return sorted({max(first, -(-h * prefill_tp // total_heads)) for h in heads})
 
 
 def _check_final(final: KVLayout, prefill_tp: int) -> tuple[int, int, HeadLayout]:
