@@ -698,3 +698,59 @@ def test_landing_pages_are_not_released_while_a_scatter_reads_them(monkeypatch: 
         scatter.join(10)
         landing.release(pages)
         assert landing.credits.free == 6
+
+
+# -- row 13: memory registered from arrays and tensors is kept alive ------------------------------------------
+
+
+def test_row13_arrays_whose_last_reference_the_caller_drops_stay_registered_memory() -> None:
+    """Before: KVLayout.mla kept only the addresses; the arrays were freed while registered, and a write landed in
+    freed memory (glibc ``realloc(): invalid next size`` in 3 of 4 runs of one pair of reproductions)."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    import kvwire
+    from kvwire import KVLayout
+
+    with kvwire.connect("local") as sender, kvwire.connect("local") as receiver:
+        src = KVLayout.mla([np.full((4, 4096), i + 1, np.uint8) for i in range(2)])
+        dst = [np.zeros((4, 4096), np.uint8) for _ in range(2)]
+        alive = [weakref.ref(a) for a in dst]
+        layout = KVLayout.mla(dst)
+        sender.register_kv_buffers(src)
+        receiver.register_kv_buffers(layout)
+        published = KVLayout.from_dict(layout.to_dict())  # what a peer sees: addresses only
+        sender.add_peer(receiver.endpoint(), published)
+        del dst, layout, src  # the caller's last references
+        gc.collect()
+        assert all(ref() is not None for ref in alive)  # still the registered arrays
+        pages = np.array([1, 2], np.int32)
+        sender.send_kvcache(receiver.endpoint(), pages, [b.base for b in published.buffers], np.array([0, 3], np.int32))
+        for i, ref in enumerate(alive):
+            array = ref()
+            assert array is not None and array[[0, 3]].tolist() == [[i + 1] * 4096] * 2
+            assert not array[[1, 2]].any()
+
+
+def test_row13_the_vllm_connector_keeps_the_kv_tensors_it_registers() -> None:
+    """Before: layout_from_kv_caches took data_ptr() only; tensors nobody else held were freed while registered."""
+    import gc
+    import weakref
+
+    from kvwire.compat.vllm import ConnectorSettings
+    from kvwire.compat.vllm.settings import EngineSide
+    from kvwire.compat.vllm.worker import WorkerSide
+
+    settings = ConnectorSettings.from_extra_config({"backend": "local"})
+    work = WorkerSide(EngineSide(settings, 1, producer=False, consumer=False), 0)
+    caches = vllm_kv_caches()
+    alive = [weakref.ref(t) for t in caches.values()]
+    work.register_kv_caches(caches)
+    try:
+        del caches
+        gc.collect()
+        assert all(ref() is not None for ref in alive)
+    finally:
+        work.shutdown()

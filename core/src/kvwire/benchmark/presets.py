@@ -67,7 +67,7 @@ class Preset:
 
     def rank_layout(self, layout: KVLayout, tp: int, rank: int, head_major: bool = False) -> KVLayout:
         """``layout`` (buffers of ``heads(tp).page_bytes``) recording TP size, rank and heads (in page order)."""
-        return KVLayout(layout.buffers, tp, rank, self.heads(tp, head_major))
+        return KVLayout(layout.buffers, tp, rank, self.heads(tp, head_major), keep=layout.keep)
 
 
 PRESETS: dict[str, Preset] = {

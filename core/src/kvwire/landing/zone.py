@@ -87,7 +87,8 @@ class Landing:
         self.layout = KVLayout(
             tuple(
                 KVBuffer(base + i * step, own.page_bytes, count, b.layer, b.role) for i, b in enumerate(final.buffers)
-            )
+            ),
+            keep=(self._memory,),  # registered with a connection, the landing memory lives as long as it does
         )
         self.credits = LandingCredits(self.layout)
         d_tp = final.attn_tp_size

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal, cast
 
@@ -75,8 +75,14 @@ class KVLayout:
     attn_tp_size: int | None = None
     attn_tp_rank: int | None = None
     heads: HeadLayout | None = None
+    #: What holds the buffers' memory (the arrays or tensors :meth:`mha` and :meth:`mla` were given): kept as long
+    #: as this layout, so that memory a connection registered is not freed under it while registered (the
+    #: connection keeps the layout). Not compared, not sent to peers. A layout built from addresses (``KVBuffer``
+    #: bases, plain ints) holds nothing: keeping that memory alive stays the caller's job.
+    keep: tuple[Any, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "keep", tuple(self.keep))
         raw: object = self.buffers
         if isinstance(raw, (str, bytes)) or not hasattr(raw, "__iter__"):
             raise LayoutError(f"KVLayout.buffers must be a sequence of KVBuffer, got {type(raw).__name__}")
@@ -206,7 +212,7 @@ class KVLayout:
             KVBuffer(base, page_bytes, pages, layer, cast(Role, role), kinds[i])
             for i, ((base, page_bytes, pages, _), (_, layer, role, _)) in enumerate(zip(described, items))
         )
-        return cls(buffers, attn_tp_size, attn_tp_rank, heads)
+        return cls(buffers, attn_tp_size, attn_tp_rank, heads, keep=tuple(obj for obj, _, _, _ in items))
 
     # -- derived views (vectorised planning reads these) --------------------
 

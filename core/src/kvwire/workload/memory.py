@@ -121,7 +121,8 @@ def allocate(
             views.append(a)
             ptr = int(a.ctypes.data)
         buffers.append(KVBuffer(ptr, page_bytes, num_pages, layer, role, kind))
-    return KVMemory(KVLayout(tuple(buffers)), views, tensors, "torch" if torch is not None else "numpy")
+    layout = KVLayout(tuple(buffers), keep=(*views, *tensors))  # registered, the memory lives as long as the layout
+    return KVMemory(layout, views, tensors, "torch" if torch is not None else "numpy")
 
 
 def digest(views: Sequence[NDArray[np.uint8]], pages: NDArray[np.int64] | None = None) -> str:

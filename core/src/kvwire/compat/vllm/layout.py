@@ -259,17 +259,19 @@ def layout_from_kv_caches(
         first = (count, buf.page_bytes, order)
     assert first is not None
     blocks, block_bytes, order = first
+    keep = tuple(kv_caches.values())  # the layout holds vLLM's tensors while a connection has it registered
     if order == "latent":  # every rank holds the whole latent: no heads to slice
-        return VllmLayout(KVLayout(tuple(buffers), tp_size, tp_rank), tuple(names), blocks, block_bytes, order)
+        layout = KVLayout(tuple(buffers), tp_size, tp_rank, keep=keep)
+        return VllmLayout(layout, tuple(names), blocks, block_bytes, order)
     refusal = _tp_refusal(order, total_kv_heads, split)
     if refusal is not None:  # whole blocks between equal TP sizes only: no TP, no heads recorded
-        return VllmLayout(KVLayout(tuple(buffers)), tuple(names), blocks, block_bytes, order, refusal)
+        return VllmLayout(KVLayout(tuple(buffers), keep=keep), tuple(names), blocks, block_bytes, order, refusal)
     assert total_kv_heads is not None
     tensor = next(iter(kv_caches.values()))
     shape = [int(d) for d in tensor.shape]
     try:
         heads = HeadLayout(shape[1], total_kv_heads, shape[3], int(tensor.element_size()), shape[2], head_major=True)
-        layout = KVLayout(tuple(buffers), tp_size, tp_rank, heads)
+        layout = KVLayout(tuple(buffers), tp_size, tp_rank, heads, keep=keep)
     except LayoutError as exc:
         raise LayoutError(
             f"layer {names[0]!r} (shape {shape}): its blocks cannot be sliced by KV head for TP rank {tp_rank} of "
