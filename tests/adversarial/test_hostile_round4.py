@@ -754,3 +754,63 @@ def test_row13_the_vllm_connector_keeps_the_kv_tensors_it_registers() -> None:
         assert all(ref() is not None for ref in alive)
     finally:
         work.shutdown()
+
+
+# -- found in issue 37: a spoofed arrival ---------------------------------------------------------------------
+
+
+def test_an_arrival_or_failure_notice_from_a_peer_the_decode_did_not_register_with_is_ignored() -> None:
+    """Found in issue 37: a connection other than the prefill sent ``kvwire.vllm:<id>``, and the decode reported the
+    request loaded with no byte written (vLLM would then decode from whatever its blocks held)."""
+    import numpy as np
+
+    import kvwire
+    from kvwire.compat.vllm import ConnectorSettings, prefill_params
+    from kvwire.compat.vllm.metadata import StepMetadata, ToReceive
+    from kvwire.compat.vllm.notices import failure_notice_for
+    from kvwire.compat.vllm.params import parse_remote_prefill
+    from kvwire.compat.vllm.registration import notification_for
+    from kvwire.compat.vllm.settings import EngineSide
+    from kvwire.compat.vllm.worker import WorkerSide
+
+    settings = ConnectorSettings.from_extra_config({"backend": "local", "side_channel_port": free_port()})
+    p_work = WorkerSide(EngineSide(settings, 1, producer=True, consumer=False), 0)
+    d_work = WorkerSide(EngineSide(settings, 1, producer=False, consumer=True), 0)
+    p_caches, d_caches = vllm_kv_caches(), vllm_kv_caches()
+    for t in p_caches.values():
+        t.fill_(3.0)
+    p_work.register_kv_caches(p_caches)
+    d_work.register_kv_caches(d_caches)
+    try:
+        receiver, sender = d_work.receiver, p_work.sender
+        assert receiver is not None and sender is not None and d_work.connection is not None
+        remote = parse_remote_prefill(prefill_params("p0", "e", "127.0.0.1", settings.side_channel_port, [1, 2], 1, 40))
+        d_work.start(StepMetadata(to_receive=(ToReceive("d0", (5, 6), remote),)))
+        _until(lambda: "p0" in sender._waiting)  # queued: the prefill's scheduler has not said p0 is ready
+        with kvwire.connect("local") as spoofer:
+            spoofer.register_kv_buffers(kvwire.KVLayout.mla([np.zeros((1, 64), np.uint8)]))
+            endpoint = d_work.connection.endpoint()
+            spoofer.add_peer(endpoint, kvwire.KVLayout.from_dict(d_work.local.layout.to_dict()))  # type: ignore[union-attr]
+            done: list[set[str]] = []
+
+            def settled(count: int) -> bool:  # d0 reported done, or the message seen and ignored
+                finished = d_work.get_finished()[1]
+                if finished:
+                    done.append(finished)
+                return bool(done) or getattr(receiver, "spoofed", 0) == count
+
+            spoofer.send_notification(endpoint, notification_for("d0"))
+            _until(lambda: settled(1))
+            assert done == []  # before: [{"d0"}], loaded with no byte written
+            spoofer.send_notification(endpoint, failure_notice_for("d0", None, "spoofed"))
+            _until(lambda: settled(2))
+            assert done == []  # before: failed while the real prefill may still write its blocks
+        assert receiver.pending == 1
+        p_work.start(StepMetadata(to_send=(_ready("p0"),)))  # the real prefill writes, tagged with d0's token
+        _until(lambda: d_work.get_finished()[1] == {"d0"})
+        assert d_work.load_errors() == set() and receiver.failures == {}
+        for name in LAYERS:
+            assert d_caches[name][[5, 6]].equal(p_caches[name][[1, 2]])
+    finally:
+        p_work.shutdown()
+        d_work.shutdown()

@@ -25,6 +25,7 @@ from kvwire.compat.vllm.registration import (
     notification_for,
     parse_notification,
     request_of_notification,
+    with_token,
 )
 from kvwire.compat.vllm.scheduler import SchedulerSide
 from kvwire.compat.vllm.sending import Sender
@@ -656,8 +657,11 @@ def test_only_the_routed_senders_notifications_complete_a_request_across_tp_size
         receiver = d_work.receiver
         assert receiver is not None
 
+        token = receiver._pending["d0"].token  # d0's prefill tags its messages with it (issue 37: spoofed arrivals)
+
         def arrive(message: bytes) -> None:
-            receiver._on_arrival(SimpleNamespace(notification=SimpleNamespace(message=message)))  # type: ignore[arg-type]
+            tagged = with_token(token, message)
+            receiver._on_arrival(SimpleNamespace(notification=SimpleNamespace(message=tagged)))  # type: ignore[arg-type]
 
         for stray in (notification_for("d0"), notification_for("d0", 2), notification_for("d1", 1), b"other"):
             arrive(stray)

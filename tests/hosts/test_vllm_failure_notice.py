@@ -20,6 +20,7 @@ from kvwire import MAX_NOTIFICATION_BYTES, TransferError
 from kvwire.backends.local import LocalTransport
 from kvwire.compat.vllm import ConnectorSettings
 from kvwire.compat.vllm.notices import FailureNotice, failure_notice_for, parse_failure_notice
+from kvwire.compat.vllm.registration import with_token
 from kvwire.compat.vllm.scheduler import SchedulerSide
 from kvwire.compat.vllm.settings import EngineSide
 from kvwire.compat.vllm.worker import WorkerSide
@@ -174,8 +175,11 @@ def test_only_a_notice_from_one_of_the_requests_senders_fails_it() -> None:
         _until(lambda: "p0" in p_work.sender._waiting)  # type: ignore[union-attr]
         receiver = d_work.receiver
 
+        token = receiver._pending["d0"].token  # d0's prefill tags its messages with it (issue 37: spoofed arrivals)
+
         def arrive(message: bytes) -> None:
-            receiver._on_arrival(SimpleNamespace(notification=SimpleNamespace(message=message)))  # type: ignore[arg-type]
+            tagged = with_token(token, message)
+            receiver._on_arrival(SimpleNamespace(notification=SimpleNamespace(message=tagged)))  # type: ignore[arg-type]
 
         arrive(failure_notice_for("d0", 1, "not a sender of d0: equal TP sizes have one, unranked"))
         arrive(failure_notice_for("d1", None, "not a request of this decode"))

@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Final
 
+from kvwire.compat.vllm.registration import with_token
 from kvwire.submit.notifications import MAX_NOTIFICATION_BYTES
 
 __all__ = ["FailureNotice", "failure_notice_for", "parse_failure_notice"]
@@ -32,12 +33,16 @@ class FailureNotice:
     reason: str
 
 
-def failure_notice_for(decode_request_id: str, prefill_rank: int | None, reason: str) -> bytes:
-    """The notice that the write of ``decode_request_id``'s blocks failed, ``reason`` cut to fit a notification."""
+def failure_notice_for(
+    decode_request_id: str, prefill_rank: int | None, reason: str, token: str | None = None
+) -> bytes:
+    """The notice that the write of ``decode_request_id``'s blocks failed, ``reason`` cut to fit a notification;
+    tagged with the registration's ``token`` when it carried one
+    (:func:`~kvwire.compat.vllm.registration.with_token`)."""
 
     def encode(why: str) -> bytes:
         body = {"request": decode_request_id, "rank": prefill_rank, "reason": why}
-        return _PREFIX + json.dumps(body, ensure_ascii=True).encode()
+        return with_token(token, _PREFIX + json.dumps(body, ensure_ascii=True).encode())
 
     message = encode(reason)
     if len(message) > MAX_NOTIFICATION_BYTES:  # each character cut shortens the JSON by one byte or more

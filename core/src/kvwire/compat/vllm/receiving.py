@@ -34,7 +34,13 @@ from kvwire.compat.vllm.channel import RegistrationClient, ReplyCallback
 from kvwire.compat.vllm.metadata import ToReceive
 from kvwire.compat.vllm.notices import FailureNotice, parse_failure_notice
 from kvwire.compat.vllm.rank import KEPT_FAILURES, WorkerRank
-from kvwire.compat.vllm.registration import Registration, parse_notification
+from kvwire.compat.vllm.registration import (
+    Registration,
+    new_token,
+    parse_notification,
+    split_token,
+    token_matches,
+)
 from kvwire.errors import InvalidTransferError
 from kvwire.layout.buffers import LayoutError
 from kvwire.layout.peer import PeerDescription
@@ -55,6 +61,7 @@ class _Pending:
     settled: set[int | None]  # arrived, refused or unreachable
     failure: str | None = None  # the first sender's failure
     registered: set[int | None] = field(default_factory=set)  # senders the registration was handed to
+    token: str | None = None  # the registration's: only notifications and notices tagged with it count
 
 
 class Receiver:
@@ -70,6 +77,8 @@ class Receiver:
         self._pending: dict[str, _Pending] = {}
         self._errors: set[int] = set()
         self.failures: dict[str, str] = {}  # request id -> why it failed (the latest KEPT_FAILURES)
+        #: Notifications and notices ignored for lacking their registration's token (not from its senders).
+        self.spoofed = 0
         self._watcher = NotificationWatcher(connection, self._on_arrival, max_kept=0, name="kvwire-vllm-arrivals")
 
     def _senders(self, tp_size: int) -> tuple[int | None, ...]:
@@ -83,9 +92,10 @@ class Receiver:
         remote = item.remote
         valid = tuple(b for b in item.block_ids if isinstance(b, int) and 0 < b < self._local.num_blocks)
         ranks = self._senders(remote.tp_size)
+        token = new_token()
         with self._lock:
             self._pending[item.request_id] = _Pending(
-                valid, self._clock() + self._timeout_s, frozenset(ranks), set(), set()
+                valid, self._clock() + self._timeout_s, frozenset(ranks), set(), set(), token=token
             )
         try:
             local = self._local.check_block_ids(item.block_ids, "decode block_ids")
@@ -114,6 +124,7 @@ class Receiver:
             valid_for_s=max(0.001, self._deadline_of(item.request_id) - self._clock()),
             peer=self._peer,
             block_order=self._local.order,
+            token=token,
         )
         message = registration.to_dict()
         for rank in ranks:
@@ -168,26 +179,45 @@ class Receiver:
             pending.settled.update(pending.senders if every else (rank,))
 
     def _on_arrival(self, arrival: Arrival) -> None:
-        notice = parse_failure_notice(arrival.notification.message)
+        token, message = split_token(arrival.notification.message)
+        notice = parse_failure_notice(message)
         if notice is not None:
-            self._failed_write(notice)
+            self._failed_write(notice, token)
             return
-        parsed = parse_notification(arrival.notification.message)
+        parsed = parse_notification(message)
         if parsed is None:
             return
         request_id, rank = parsed
         with self._lock:
             pending = self._pending.get(request_id)
             if pending is not None and rank in pending.senders:
+                if not token_matches(pending.token, token):
+                    self._spoofed(request_id, "arrival notification")
+                    return
                 pending.arrived.add(rank)
                 pending.settled.add(rank)
 
-    def _failed_write(self, notice: FailureNotice) -> None:
+    def _spoofed(self, request_id: str, what: str) -> None:
+        """A message naming ``request_id`` without its registration's token: not from a sender it reached."""
+        self.spoofed += 1
+        if self.spoofed == 1 or self.spoofed % 1000 == 0:  # a flood is not a flood of log lines
+            log.warning(
+                "kvwire: request %s: ignored an %s without the token its registration carried (not from a prefill "
+                "it registered with; %d so far)",
+                request_id,
+                what,
+                self.spoofed,
+            )
+
+    def _failed_write(self, notice: FailureNotice, token: str | None) -> None:
         """A sender's write failed: that sender is settled, and the request fails once every sender is."""
         with self._lock:
             pending = self._pending.get(notice.request_id)
             if pending is None or notice.prefill_rank not in pending.senders:
                 return  # not a request of this rank, or not from one of its senders
+            if not token_matches(pending.token, token):
+                self._spoofed(notice.request_id, "failure notice")
+                return
         rank = notice.prefill_rank
         who = "the prefill" if rank is None else f"prefill rank {rank}"
         self._fail(notice.request_id, rank, f"{who} failed writing its blocks: {notice.reason}")

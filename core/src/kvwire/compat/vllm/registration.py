@@ -18,7 +18,9 @@ the field.
 
 from __future__ import annotations
 
+import hmac
 import math
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, cast
@@ -33,7 +35,11 @@ __all__ = [
     "Registration",
     "notification_for",
     "parse_notification",
+    "new_token",
     "request_of_notification",
+    "split_token",
+    "token_matches",
+    "with_token",
 ]
 
 REGISTRATION_FORMAT: Final = "kvwire.vllm.registration"
@@ -53,11 +59,44 @@ _FIELDS: Final = frozenset(
         "valid_for_s",
         "block_order",
         "peer",
+        "token",
     }
 )
 _NOTE_PREFIX: Final = b"kvwire.vllm:"
 _RANKED_PREFIX: Final = b"kvwire.vllm.rank:"  # across TP sizes: b"kvwire.vllm.rank:<prefill rank>:<request id>"
 _MAX_ID_CHARS: Final = 1024
+_TAG_PREFIX: Final = b"kvwire.vllm.tag:"  # b"kvwire.vllm.tag:<the registration's token>:<notification or notice>"
+_TOKEN_CHARS: Final = 32  # 16 random bytes, lowercase hex
+_HEX: Final = frozenset("0123456789abcdef")
+
+
+def new_token() -> str:
+    """A registration's token: 16 random bytes as hex, new for each request."""
+    return secrets.token_hex(_TOKEN_CHARS // 2)
+
+
+def with_token(token: str | None, message: bytes) -> bytes:
+    """``message`` (an arrival notification or a failure notice) tagged with the registration's ``token``
+    (None: untagged, for a registration that carried none)."""
+    return message if token is None else _TAG_PREFIX + token.encode() + b":" + message
+
+
+def split_token(message: bytes) -> tuple[str | None, bytes]:
+    """(the token ``message`` is tagged with, or None; the message inside). A malformed tag is no message
+    (``b""``)."""
+    if not message.startswith(_TAG_PREFIX):
+        return None, message
+    token, sep, inner = message[len(_TAG_PREFIX) :].partition(b":")
+    text = token.decode("ascii", errors="replace")
+    if not sep or len(text) != _TOKEN_CHARS or not set(text) <= _HEX:
+        return None, b""
+    return text, inner
+
+
+def token_matches(expected: str | None, token: str | None) -> bool:
+    """A message tagged ``token`` is from the sender a registration with token ``expected`` reached (None: the
+    registration carried no token, so any message counts, as before tokens)."""
+    return expected is None or (token is not None and hmac.compare_digest(expected, token))
 
 
 def notification_for(decode_request_id: str, prefill_rank: int | None = None) -> bytes:
@@ -151,6 +190,7 @@ class Registration:
     valid_for_s: float
     peer: PeerDescription
     block_order: BlockOrder = "head-major"
+    token: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -167,6 +207,7 @@ class Registration:
             "valid_for_s": self.valid_for_s,
             "block_order": self.block_order,
             "peer": self.peer.to_dict(),
+            **({} if self.token is None else {"token": self.token}),
         }
 
     @classmethod
@@ -208,6 +249,11 @@ class Registration:
         tp_rank, tp_size = _int(data, "tp_rank", 0), _int(data, "tp_size", 1)
         peer = PeerDescription.from_dict(data.get("peer"))
         _utf8(peer.endpoint, "the peer's endpoint")
+        token = data.get("token")
+        if token is not None and not (isinstance(token, str) and len(token) == _TOKEN_CHARS and set(token) <= _HEX):
+            raise InvalidTransferError(
+                f"registration: 'token' must be {_TOKEN_CHARS} lowercase hex digits, got {token!r:.60}"
+            )
         return cls(
             prefill_request_id=prefill_request_id,
             decode_request_id=decode_request_id,
@@ -219,4 +265,5 @@ class Registration:
             valid_for_s=float(valid),
             peer=peer,
             block_order=cast(BlockOrder, order),
+            token=token,
         )

@@ -42,7 +42,7 @@ from kvwire.compat.vllm.layout import BLOCK_ORDERS
 from kvwire.compat.vllm.metadata import ReadyToSend
 from kvwire.compat.vllm.notices import failure_notice_for
 from kvwire.compat.vllm.rank import KEPT_FAILURES, WorkerRank
-from kvwire.compat.vllm.registration import Registration, notification_for
+from kvwire.compat.vllm.registration import Registration, notification_for, with_token
 from kvwire.errors import InvalidTransferError, KvwireError
 from kvwire.planning.head_slicing import senders, slicing_of
 
@@ -253,8 +253,9 @@ class Sender:
             np.asarray(reg.prefill_block_ids, dtype=np.int32),
             [b.base for b in layout.buffers],
             np.asarray(reg.decode_block_ids, dtype=np.int32),
-            notification=notification_for(
-                reg.decode_request_id, None if reg.tp_size == self._tp_size else self._tp_rank
+            notification=with_token(
+                reg.token,
+                notification_for(reg.decode_request_id, None if reg.tp_size == self._tp_size else self._tp_rank),
             ),
         )
         ready.started = True
@@ -264,11 +265,11 @@ class Sender:
             ready.sent_to.add(reg.tp_rank)
             ready.expected = sum(self._tp_rank in senders(self._tp_size, reg.tp_size, d) for d in range(reg.tp_size))
         rank = None if reg.tp_size == self._tp_size else self._tp_rank
-        notice = (endpoint, reg.decode_request_id, rank)
+        notice = (endpoint, reg.decode_request_id, rank, reg.token)
         future.add_done_callback(lambda f: self._written(request_id, f, notice, started))
 
     def _written(
-        self, request_id: str, future: Future[int], notice: tuple[str, str, int | None], started: float
+        self, request_id: str, future: Future[int], notice: tuple[str, str, int | None, str | None], started: float
     ) -> None:
         error = future.exception() if not future.cancelled() else None
         if error is None and not future.cancelled():
@@ -278,8 +279,9 @@ class Sender:
             reason = f"request {request_id!r}: the write failed: {error or 'cancelled'}"
             self.failures.append(reason)
             log.error("kvwire: %s", reason)
-            endpoint, decode_request_id, rank = notice
-            message = failure_notice_for(decode_request_id, rank, f"the write failed: {error or 'cancelled'}")
+            endpoint, decode_request_id, rank, token = notice
+            why = f"the write failed: {error or 'cancelled'}"
+            message = failure_notice_for(decode_request_id, rank, why, token)
             threading.Thread(  # not on the transport's completion thread: a dead decode may block the send
                 target=self._tell_decode, args=(endpoint, message), name="kvwire-vllm-failure-notice", daemon=True
             ).start()
