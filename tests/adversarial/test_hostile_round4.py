@@ -260,7 +260,12 @@ def test_row4_idle_connections_are_capped_in_threads_and_closed_once_idle() -> N
     srv = RegistrationServer("127.0.0.1", 0, _echo, None, 5.0)  # the defaults: 128 connections, 60 s idle
     socks = [socket.create_connection(("127.0.0.1", _port(srv)), timeout=10) for _ in range(400)]
     try:
-        time.sleep(0.5)  # every connection accepted (or turned away) by now
+        _until(  # every connection accepted or turned away (or, before the cap, a thread past it)
+            lambda: (
+                getattr(srv, "turned_away", 0) + getattr(srv, "connections", 0) == 400
+                or _threads("kvwire-vllm-registrations") - before > 128
+            )
+        )
         assert _threads("kvwire-vllm-registrations") - before <= 128
         assert (srv.turned_away, srv.connections) == (400 - 128, 128)
         assert (channel.MAX_CONNECTIONS, channel.IDLE_TIMEOUT_S) == (128, 60.0)
@@ -340,8 +345,12 @@ def test_row1_the_side_channel_survives_running_out_of_file_descriptors() -> Non
     try:
         assert child.stdout is not None and child.stdin is not None
         port = int(child.stdout.readline().rsplit(":", 1)[1])
+        assert child.stderr is not None
+        err: list[str] = []
+        reader = threading.Thread(target=lambda: err.extend(child.stderr or ()), daemon=True)
+        reader.start()
         flood = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(100)]  # past 64 descriptors
-        time.sleep(0.5)
+        _until(lambda: any("Too many open files" in line for line in err))  # the child ran out
         for sock in flood:
             sock.close()
         with PeerConnection("127.0.0.1", port, what="prefill", timeout_s=10) as conn:
@@ -349,12 +358,12 @@ def test_row1_the_side_channel_survives_running_out_of_file_descriptors() -> Non
         child.stdin.write("\n")
         child.stdin.flush()
         assert child.wait(10) == 0
-        assert child.stderr is not None
-        err = child.stderr.read()
-        assert err.count("kvwire: the side channel at 127.0.0.1:") == 1, err  # logged once
+        reader.join(10)
+        text = "".join(err)
+        assert text.count("kvwire: the side channel at 127.0.0.1:") == 1, text  # logged once
         assert (
             "cannot accept a decode's connection ([Errno 24] Too many open files); retrying as descriptors free up"
-            in err
+            in text
         )
     finally:
         child.kill()
