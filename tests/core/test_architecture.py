@@ -15,11 +15,11 @@ PUBLIC = [
     "DuplicateBackendError", "Finding", "HeadLayout", "InvalidTransferError", "KVBuffer", "KVLayout", "KvwireError",
     "Landing", "LandingCredits",
     "LayoutError", "Notification", "NotificationWatcher", "PeerDescription", "PeerUnreachableError", "RawWriter",
-    "RegionSet", "Registry", "SpecVersion", "StuckCall", "TransferError", "TransferFuture", "TransferPlan",
-    "TransferRequest",
+    "RegionSet", "Registry", "ResolvedConfig", "SpecVersion", "StuckCall", "TransferError", "TransferFuture",
+    "TransferPlan", "TransferRequest",
     "TransferTimeoutError", "Transport", "TransportBackend", "UnsupportedFeatureError", "ValidationResult",
     "__version__", "connect", "default_registry", "hookimpl", "hookspec", "plan_transfer", "register_backend",
-    "validate_backend",
+    "resolve_config", "validate_backend",
 ]  # fmt: skip
 
 

@@ -217,3 +217,32 @@ def test_the_vllm_connector_reads_kvwires_configuration_under_its_extra_config(
     with pytest.raises(ConfigError) as exc:
         ConnectorSettings.from_extra_config({"backend": "nixl"})
     assert str(exc.value) == BAD_TIMEOUT
+
+
+def test_the_vllm_worker_logs_one_activation_line_naming_what_configured_it(
+    clean_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    torch = pytest.importorskip("torch")
+    from kvwire.compat.vllm.settings import EngineSide
+    from kvwire.compat.vllm.worker import WorkerSide
+
+    clean_env.setenv("KVWIRE_TIMEOUT_S", "3")
+    settings = ConnectorSettings.from_extra_config({"backend": "local", "side_channel_port": 1, "lease_s": 60})
+    raw = torch.zeros(2 * 4 * 4096, dtype=torch.int8)  # 2 layers x 4 blocks, LBHNC: 2 heads x 16 tokens x 64 fp16
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.as_strided(
+            raw, (4, 2, 16, 128), (4096, 2048, 128, 1), i * 4 * 4096
+        ).view(torch.float16)
+        for i in range(2)
+    }
+    worker = WorkerSide(EngineSide(settings, 1, producer=False, consumer=True), 0)
+    with caplog.at_level(logging.INFO, logger="kvwire"):
+        worker.register_kv_caches(caches)
+    try:
+        (line,) = [r.getMessage() for r in caplog.records if "active in vllm" in r.getMessage()]
+        v = kvwire.__version__  # 'local' is kvwire's own; vLLM is not installed here ('?')
+        assert line.startswith(f"kvwire {v} active in vllm ? (kv_consumer): backend 'local' (kvwire {v}, spec "), line
+        assert "2 layers x 4 head-major blocks of 4096 bytes, TP 0/1" in line, line
+        assert line.endswith("; configured: timeout_s=3.0 ($KVWIRE_TIMEOUT_S)"), line
+    finally:
+        worker.shutdown()

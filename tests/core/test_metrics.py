@@ -144,3 +144,49 @@ def test_missing_prometheus_client_is_one_clear_error(monkeypatch: pytest.Monkey
 def test_max_peers_is_checked() -> None:
     with pytest.raises(ValueError, match="max_peers must be an int >= 0, got -1"):
         Metrics(prometheus_client.CollectorRegistry(), max_peers=-1)
+
+
+SERVING = """
+import sys, numpy as np, kvwire
+from kvwire.metrics import default_metrics, serve
+bufs = [[np.arange(256, dtype=np.uint8).reshape(4, 64) * (i + 1) for i in range(2)] for _ in range(2)]
+ends = []
+for i, (k, v) in enumerate(bufs):
+    middleware = [default_metrics().middleware("local")] if i == 0 else []
+    conn = kvwire.connect("local", middleware=middleware)
+    conn.register_kv_buffers(kvwire.KVLayout.mha([k], [v]))
+    ends.append(conn)
+ends[0].add_peer(ends[1].endpoint(), kvwire.KVLayout.mha([bufs[1][0]], [bufs[1][1]]))
+ptrs = [bufs[1][0].ctypes.data, bufs[1][1].ctypes.data]
+print(ends[0].send_kvcache(ends[1].endpoint(), np.array([0, 1], np.int32), ptrs, np.array([2, 3], np.int32)))
+server = serve(0)
+print(server.server_port, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_serve_exposes_the_default_metrics_over_http() -> None:
+    """A standalone process: its sends through default_metrics() read back from serve()'s /metrics."""
+    import subprocess
+    import urllib.request
+
+    proc = subprocess.Popen([sys.executable, "-c", SERVING], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == str(2 * 2 * 64)  # 2 pages x K and V x 64 bytes
+        port = int(proc.stdout.readline())
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+            text = response.read().decode()
+    finally:
+        proc.kill()
+        proc.wait(30)
+    sent = [line for line in text.splitlines() if line.startswith("kvwire_send_bytes_total{")]
+    assert len(sent) == 1 and sent[0].endswith(" 256.0"), sent
+
+
+@pytest.mark.parametrize(("args", "message"), [((-1,), "port must be an int in 0..65535, got -1"), ((80, ""), "host")])
+def test_serve_refuses_a_bad_port_or_host(args: tuple[Any, ...], message: str) -> None:
+    from kvwire.metrics import serve
+
+    with pytest.raises(ValueError, match=message):
+        serve(*args)

@@ -27,6 +27,10 @@ Exported (labels ``backend`` and ``peer``; ``error`` on failures):
   from :mod:`kvwire.transport.telemetry`, for backends that publish it (those built on
   :class:`kvwire.TransportBackend`)
 
+A standalone process (no host with a ``/metrics`` of its own) serves them with :func:`serve`.
+Inside sglang (``--enable-metrics``) and vLLM they appear on the host's own ``/metrics``
+(docs/metrics.md lists every name, label and where it shows).
+
 Label cardinality is bounded: the first ``max_peers`` distinct peers of a
 :class:`Metrics` get their own ``peer`` label, later ones share ``"other"``.
 prometheus_client is imported when a :class:`Metrics` is created, not before.
@@ -50,7 +54,7 @@ from kvwire.transport import telemetry
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-__all__ = ["DEFAULT_BUCKETS", "OTHER_PEER", "Metrics", "MetricsMiddleware", "default_metrics"]
+__all__ = ["DEFAULT_BUCKETS", "OTHER_PEER", "Metrics", "MetricsMiddleware", "default_metrics", "serve"]
 
 #: Latency buckets (seconds): KV sends range from ~100 us (a few pages) to seconds (a long prompt over TCP).
 DEFAULT_BUCKETS: Final = (
@@ -240,3 +244,18 @@ _default: ProcessWide[Metrics] = ProcessWide(Metrics)
 def default_metrics() -> Metrics:
     """The process-wide :class:`Metrics` on prometheus_client's default registry (created once)."""
     return _default.get()
+
+
+def serve(port: int, host: str = "127.0.0.1") -> Any:
+    """Serve ``/metrics`` (prometheus_client's default registry, where :func:`default_metrics` records) on
+    ``host:port`` from a daemon thread, for a process that has no metrics endpoint of its own.
+
+    Loopback by default: the ``peer`` labels name this process's peers. ``port`` 0 picks a free port; the
+    returned server's ``server_port`` says which. Returns the server (``shutdown()`` stops it).
+    """
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an int in 0..65535, got {port!r}")
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"host must be a non-empty str, got {host!r}")
+    server, _thread = _prometheus().start_http_server(port, addr=host)
+    return server

@@ -38,6 +38,7 @@ from typing import Any, ClassVar, Final, List, Optional  # noqa: UP035 - sglang'
 import numpy as np
 import numpy.typing as npt
 
+from kvwire.compat.activation import activation_line
 from kvwire.compat.sglang.layout import layout_from_kv_args
 from kvwire.compat.sglang.registration import layout_frame, layout_from_frames
 from kvwire.compat.sglang.send import REFUSED, FailedSessions, KvwireSendMixin, note_status
@@ -114,37 +115,14 @@ def sglang_metrics(server_args: Any, backend: str) -> list[object]:
         return []
 
 
-def activation_line(connection: Any, server_args: Any, layout: KVLayout, resolved: ResolvedConfig | None = None) -> str:
-    """The one line a process logs when kvwire carries its KV: what runs, which versions, which role,
-    and each setting that came from kvwire's configuration (a variable or the file) rather than a default."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    def dist_version(name: str) -> str:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return "?"
-
-    info = default_registry().get(connection.name)
-    return (
-        f"kvwire {dist_version('kvwire')} active in sglang {dist_version('sglang')} "
-        f"({getattr(server_args, 'disaggregation_mode', '?')}): backend {connection.name!r} "
-        f"({info.distribution} {info.version}, spec {connection.spec_version}), {layout.attention} layout of "
-        f"{len(layout.buffers)} buffers, attention TP {layout.attn_tp_rank}/{layout.attn_tp_size}"
-        + _configured(resolved)
+def sglang_activation_line(connection: Any, server_args: Any, layout: KVLayout, resolved: ResolvedConfig) -> str:
+    """The one line a scheduler logs when kvwire carries its KV (:func:`kvwire.compat.activation.activation_line`)."""
+    role = str(getattr(server_args, "disaggregation_mode", "?"))
+    detail = (
+        f"{layout.attention} layout of {len(layout.buffers)} buffers, "
+        f"attention TP {layout.attn_tp_rank}/{layout.attn_tp_size}"
     )
-
-
-def _configured(resolved: ResolvedConfig | None) -> str:
-    if resolved is None:
-        return ""
-    config = resolved.config
-    set_here = [
-        f"{key}={config.options[key[8:]] if key.startswith('options.') else getattr(config, key)!r} ({source})"
-        for key, source in resolved.sources.items()
-        if source.startswith(("$", "config file"))
-    ]
-    return f"; configured: {', '.join(set_here)}" if set_here else ""
+    return activation_line(connection, "sglang", role, detail, resolved)
 
 
 def default_backend() -> str:
@@ -206,7 +184,7 @@ class KvwireManagerMixin(KvwireSendMixin):
         except BaseException:
             self.kvwire_connection.close()
             raise
-        log.info("%s", activation_line(self.kvwire_connection, self.server_args, self.kvwire_layout, resolved))
+        log.info("%s", sglang_activation_line(self.kvwire_connection, self.server_args, self.kvwire_layout, resolved))
 
     def kvwire_local_layout(self) -> KVLayout:
         """This rank's layout, from sglang's ``kv_args`` (host memory when sglang runs on CPU).

@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from kvwire.config import BackendConfig, check_seconds
+from kvwire.config import BackendConfig, ResolvedConfig, check_seconds, resolve_config
 from kvwire.errors import ConfigError
 
 __all__ = ["DEFAULT_SIDE_CHANNEL_PORT", "ConnectorSettings", "EngineSide"]
@@ -87,6 +87,8 @@ class ConnectorSettings:
     lease_s: float = 30.0
     load_timeout_s: float = 30.0
     extra: Mapping[str, Any] = field(default_factory=dict)
+    #: ``backend_config`` and where each value came from (the extra config is "argument ...").
+    resolved: ResolvedConfig | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -116,13 +118,14 @@ class ConnectorSettings:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise ConfigError(f"{_key('side_channel_port')} must be a TCP port 1..65535, got {port!r}")
         # vLLM's keys over kvwire's configuration ($KVWIRE_CONFIG, KVWIRE_*) over the defaults
-        config = BackendConfig.from_sources(
+        resolved = resolve_config(
             host=_text(extra, "host", "127.0.0.1") if "host" in extra else None,
             protocol=_text(extra, "protocol", "tcp") if "protocol" in extra else None,
             device=_text(extra, "device", "") if "device" in extra else None,
             timeout_s=_seconds(extra, "transfer_timeout_s", 10.0) if "transfer_timeout_s" in extra else None,
             options=dict(options) if "backend_options" in extra else None,
         )
+        config = resolved.config
         load_timeout_s = _seconds(extra, "load_timeout_s", 30.0)
         if load_timeout_s <= config.timeout_s + 1.0:
             raise ConfigError(
@@ -138,6 +141,7 @@ class ConnectorSettings:
             lease_s=_seconds(extra, "lease_s", 30.0),
             load_timeout_s=load_timeout_s,
             extra=dict(extra),
+            resolved=resolved,
         )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+from kvwire.compat.activation import activation_line
 from kvwire.compat.vllm.channel import RegistrationClient, RegistrationServer
 from kvwire.compat.vllm.layout import KVTensor, VllmLayout, layout_from_kv_caches
 from kvwire.compat.vllm.metadata import StepMetadata
@@ -85,15 +86,12 @@ class WorkerSide:
             self.shutdown_parts(connection)
             raise
         self.local, self.connection = local, connection
-        log.info(
-            "kvwire: %d layers x %d %s blocks of %d bytes registered with backend %r (endpoint %.60s)",
-            len(local.layer_names),
-            local.num_blocks,
-            local.order,
-            local.block_bytes,
-            settings.backend,
-            connection.endpoint(),
+        role = "/".join(r for r, on in (("kv_producer", self.producer), ("kv_consumer", self.consumer)) if on)
+        detail = (
+            f"{len(local.layer_names)} layers x {local.num_blocks} {local.order} blocks of {local.block_bytes} "
+            f"bytes, TP {self.tp_rank}/{self.tp_size}, endpoint {connection.endpoint():.60}"
         )
+        log.info("%s", activation_line(connection, "vllm", role, detail, settings.resolved))
 
     def start(self, meta: StepMetadata) -> None:
         """Start one step's work: mark finished prefills ready, register the decode's new requests.
