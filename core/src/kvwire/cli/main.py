@@ -34,15 +34,16 @@ _INTERRUPTED_EXIT = 128 + 2  # and for one ended by SIGINT (Ctrl-C)
 _WIDTH = 100  # the check table fits this many columns: long notes and capabilities wrap (findings do not)
 
 
-def _wrapped(line: str, indent: str = "    ") -> list[str]:
-    """``line`` under ``indent``, wrapped at :data:`_WIDTH` with continuation lines indented 4 more."""
+def _wrapped(line: str, indent: str = "    ", *, long_words: bool = False) -> list[str]:
+    """``line`` under ``indent``, wrapped at :data:`_WIDTH` with continuation lines indented 4 more
+    (``long_words``: a word longer than a line is broken too, as a module path may be)."""
     own = line[: len(line) - len(line.lstrip())]
     return textwrap.wrap(
         line.lstrip(),
         width=_WIDTH,
         initial_indent=indent + own,
         subsequent_indent=indent + own + "    ",
-        break_long_words=False,
+        break_long_words=long_words,
         break_on_hyphens=False,
     ) or [indent + own]
 
@@ -60,13 +61,22 @@ def _available(info: BackendInfo) -> str:
     return "no" if _unavailable(info) else "yes"
 
 
+#: The widest the backend, distribution and version cells get (the rest of a row takes at most 46 columns).
+_CELL = (22, 20, 8)
+
+
+def _fit(text: str, width: int) -> str:
+    """``text``, or its first ``width - 1`` characters and an ellipsis (the row's notes then give it in full)."""
+    return text if len(text) <= width else text[: width - 1] + "\u2026"
+
+
 def _check_table(infos: Sequence[BackendInfo], verbose: bool = False) -> str:
     headers = ("backend", "distribution", "version", "spec", "status", "submit", "available")
     rows = [
         (
-            i.name,
-            i.distribution or "(runtime)",
-            i.version or "-",
+            _fit(i.name, _CELL[0]),
+            _fit(i.distribution or "(runtime)", _CELL[1]),
+            _fit(i.version or "-", _CELL[2]),
             i.spec_version or "-",
             i.status,
             i.submission or "-",
@@ -80,6 +90,15 @@ def _check_table(infos: Sequence[BackendInfo], verbose: bool = False) -> str:
     for info, row in zip(infos, rows):
         lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
         notes = [info.runtime] if _unavailable(info) else []
+        cut = [
+            (what, full)
+            for what, full, cell in zip(
+                ("backend", "distribution", "version"), (info.name, info.distribution or "", info.version or ""), row
+            )
+            if full and cell != full
+        ]
+        for what, full in cut:  # a cell cut to fit: in full below the row, wrapped
+            lines.extend(_wrapped(f"{what}: {full}", long_words=True))
         if info.error and info.status != "drift":
             notes.append(info.error)
         if verbose and info.status not in ("blocked", "duplicate", "import-error", "timeout"):
@@ -107,6 +126,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     registry = Registry(allow=allow, policy="quarantine")
     unknown = registry.unknown_allowed()
     infos = check_isolated(registry, args.timeout)  # each backend in a child: a plugin cannot take the check down
+    if allow is not None:  # --backends X: a report on X only, not a "blocked" row for every other one
+        infos = [i for i in infos if i.status != "blocked"]
     if args.json:
         print(json.dumps([i.to_dict() for i in infos], indent=2))
     else:

@@ -101,6 +101,8 @@ class BackendInfo:
             "submit": self.submission,
             "error": self.error,
             "runtime": self.runtime,
+            # True or False once availability() was asked (the backend loaded), else None
+            "available": None if self.runtime is None else self.runtime == "available",
             "findings": [
                 {
                     "hook": f.hook,
