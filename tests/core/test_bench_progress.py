@@ -218,3 +218,18 @@ def test_an_option_that_looks_like_json_but_is_not_is_refused_as_its_variable_is
     with pytest.raises(SystemExit):
         _parse("--option", "ids=[1, 2")
     assert "argument --option: --option ids=[1, 2 looks like JSON but is not valid" in capsys.readouterr().err
+
+
+def test_the_table_names_both_ratios_of_kvwire_to_the_raw_call(capsys: pytest.CaptureFixture[str]) -> None:
+    """The median of per-request ratios and the ratio of total throughputs differ on a noisy run: both, labelled."""
+    result = {
+        "backend": "mooncake", "preset": "p", "backing": "heap", "decode": "local child", "requests": 2,
+        "tokens": 16, "bytes": 2**30, "verified": True, "guards_unchanged": True, "gbps": 0.73, "p50_ms": 1.0,
+        "p99_ms": 2.0, "descriptors_before": 4, "descriptors_after": 1, "raw_gbps": 1.0, "ratio": 0.92,
+        "ratio_of_totals": 0.73, "prefill_tp": 1, "decode_tp": 1,
+    }  # fmt: skip
+    _print_table(result)
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("raw engine call")]
+    assert row.endswith(
+        "1.000 GB/s   (kvwire/raw: 0.920 median of per-request ratios, 0.730 ratio of total throughputs)"
+    )

@@ -170,3 +170,5 @@ def test_bench_json_verifies_every_byte() -> None:
     assert result["bytes"] == 3 * 64 * 16384 * 28 * 2
     assert result["descriptors_before"] == 64 * 56 > result["descriptors_after"]
     assert {"gbps", "p50_ms", "p99_ms", "raw_gbps", "ratio", "uncoalesced_gbps"} <= set(result)
+    # two ratios, each named for what it is: the median of per-request ratios and the ratio of totals
+    assert result["ratio_of_totals"] == round(result["gbps"] / result["raw_gbps"], 3)
