@@ -101,7 +101,7 @@ def test_each_hostile_kind_alone(run_with_plugins: RunPy, name: str) -> None:
     assert code == (0 if status == "ok" else 1)
     assert (entries[name]["status"], entries[name]["error"]) == (status, error)
     assert entries["local"]["status"] == "ok"
-    assert entries["ok"]["status"] == "blocked"
+    assert set(entries) == {"local", name}  # --backends: a report on those only
 
 
 def test_the_per_child_mode_reports_the_same(run_with_plugins: RunPy) -> None:
@@ -187,7 +187,7 @@ def test_a_typo_in_the_allow_list_fails_check(run_with_plugins: RunPy) -> None:
     assert proc.stderr == _allow_error("$KVWIRE_BACKENDS")
     proc = run_with_plugins("-m", "kvwire", "check", "--json", "--backends", "mooncak")
     assert proc.returncode == 1
-    assert {e["status"] for e in json.loads(proc.stdout)} == {"blocked"}
+    assert json.loads(proc.stdout) == []  # nothing installed by that name; the error says which are
     assert proc.stderr == _allow_error("--backends")
 
 

@@ -234,11 +234,11 @@ def test_listening_without_a_key_is_refused_off_loopback_and_warned_on_it() -> N
 
 def test_the_key_comes_from_the_file_then_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert load_key(None) is None
-    monkeypatch.setenv(KEY_ENV, " from-env \n")
-    assert load_key(None) == b"from-env"
+    monkeypatch.setenv(KEY_ENV, " from-env-0123456789 \n")
+    assert load_key(None) == b"from-env-0123456789"
     key_file = tmp_path / "key"
-    key_file.write_bytes(b"from-file\n")
-    assert load_key(str(key_file)) == b"from-file"
+    key_file.write_bytes(b"from-file-0123456789\n")
+    assert load_key(str(key_file)) == b"from-file-0123456789"
     key_file.write_bytes(b"\n")
     with pytest.raises(ConfigError, match=r"^--control-key-file '.*key' is empty"):
         load_key(str(key_file))
@@ -286,3 +286,21 @@ def test_read_command_after_the_handshake_sees_only_commands() -> None:
         reader: IO[bytes] = left.makefile("rb")
         with reader:
             assert read_command(reader) == {"cmd": "start", "x": 1}
+
+
+def test_a_key_shorter_than_16_bytes_is_refused_naming_its_source(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(KEY_ENV, "x")
+    with pytest.raises(ConfigError) as exc:
+        load_key(None)
+    assert str(exc.value) == (
+        "KVWIRE_CONTROL_KEY holds a key of 1 bytes; a control key needs at least 16 "
+        "(e.g. `openssl rand -hex 32`, the same on both sides)"
+    )
+    key_file = tmp_path / "key"
+    key_file.write_bytes(b"15-bytes-secret\n")
+    with pytest.raises(ConfigError, match=r"^--control-key-file '.*key' holds a key of 15 bytes; .* at least 16 "):
+        load_key(str(key_file))
+    key_file.write_bytes(b"16-bytes-secret!\n")
+    assert load_key(str(key_file)) == b"16-bytes-secret!"

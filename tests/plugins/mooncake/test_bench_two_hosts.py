@@ -66,7 +66,7 @@ def test_bench_between_two_separately_started_processes() -> None:
 def test_two_hosts_with_a_control_key_and_a_wrong_one(tmp_path: Path) -> None:
     """The key in the env on one side, in a file on the other; a wrong or missing key is refused, the right one not."""
     (tmp_path / "right").write_text("s3cret-control-key\n")
-    (tmp_path / "wrong").write_text("not-the-key\n")
+    (tmp_path / "wrong").write_text("not-the-control-key\n")
     env = {**os.environ, "KVWIRE_CONTROL_KEY": "s3cret-control-key"}
     decode = subprocess.Popen(
         [sys.executable, "-m", "kvwire", "bench", "--role", "decode", "--listen", "127.0.0.1:0"],

@@ -131,7 +131,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([i.to_dict() for i in infos], indent=2))
     else:
-        print(_check_table(infos, args.verbose) if infos else "no kvwire backends installed")
+        nothing = "no backend --backends names is installed" if allow is not None else "no kvwire backends installed"
+        print(_check_table(infos, args.verbose) if infos else nothing)
     passing = ("ok",) if args.strict else ("ok", "adapted")
     failed = [i for i in infos if i.status != "blocked" and i.status not in passing]
     # --require-available: a backend that loads but whose availability() gives a reason cannot transfer here

@@ -32,6 +32,7 @@ from kvwire.errors import ConfigError
 
 __all__ = [
     "KEY_ENV",
+    "MIN_KEY_BYTES",
     "client_handshake",
     "is_loopback",
     "load_key",
@@ -40,6 +41,8 @@ __all__ = [
 
 #: The environment variable holding the control key (text; its UTF-8 bytes are the key).
 KEY_ENV = "KVWIRE_CONTROL_KEY"
+#: The shortest control key accepted from an operator (``load_key``): 16 bytes, 128 bits if random.
+MIN_KEY_BYTES = 16
 #: Version tag of the hello line.
 _PROTOCOL = 1
 _NONCE_BYTES = 32
@@ -52,7 +55,8 @@ _NOT_PEER = "not a kvwire control peer"
 def load_key(key_file: str | None, what: str = "--control-key-file") -> bytes | None:
     """The control key: ``key_file``'s bytes (trailing whitespace dropped), else ``$KVWIRE_CONTROL_KEY``, else None.
 
-    ConfigError naming ``what`` (or the variable) for an unreadable or empty key.
+    ConfigError naming ``what`` (or the variable) for an unreadable or empty key, or one shorter than
+    :data:`MIN_KEY_BYTES` (a short secret is guessed offline from one recorded handshake).
     """
     if key_file is not None:
         try:
@@ -62,13 +66,22 @@ def load_key(key_file: str | None, what: str = "--control-key-file") -> bytes | 
             raise ConfigError(f"{what} {key_file!r} cannot be read: {exc.strerror or exc}") from None
         if not key:
             raise ConfigError(f"{what} {key_file!r} is empty; put a random secret in it (e.g. `openssl rand -hex 32`)")
-        return key
+        return _long_enough(key, f"{what} {key_file!r}")
     text = os.environ.get(KEY_ENV)
     if text is None:
         return None
     if not text.strip():
         raise ConfigError(f"{KEY_ENV} is set but empty; set it to a random secret or unset it")
-    return text.strip().encode()
+    return _long_enough(text.strip().encode(), KEY_ENV)
+
+
+def _long_enough(key: bytes, where: str) -> bytes:
+    if len(key) < MIN_KEY_BYTES:
+        raise ConfigError(
+            f"{where} holds a key of {len(key)} bytes; a control key needs at least {MIN_KEY_BYTES} "
+            "(e.g. `openssl rand -hex 32`, the same on both sides)"
+        )
+    return key
 
 
 def is_loopback(host: str) -> bool:
