@@ -33,7 +33,18 @@ MAX_CONFIG_BYTES = 1 << 20
 OPTIONS_ENV = "KVWIRE_OPTIONS"
 OPTION_PREFIX = "KVWIRE_OPTION_"
 #: ``KVWIRE_*`` variables read by other parts of kvwire: never a misspelt config variable.
-OTHER_ENV = frozenset({CONFIG_ENV, "KVWIRE_BACKENDS", "KVWIRE_POLICY", "KVWIRE_SGLANG_PYTHON", "KVWIRE_TEST_CACHE"})
+OTHER_ENV = frozenset(
+    {
+        CONFIG_ENV,
+        "KVWIRE_BACKENDS",
+        "KVWIRE_POLICY",
+        "KVWIRE_SGLANG_PYTHON",
+        "KVWIRE_TEST_CACHE",
+        "KVWIRE_SGLANG_UNSUPPORTED",
+        "KVWIRE_VLLM_UNSUPPORTED",
+        "KVWIRE_CONTROL_KEY",
+    }
+)
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 

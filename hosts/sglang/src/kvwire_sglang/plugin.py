@@ -30,20 +30,35 @@ _NEEDED: Final = (
 
 
 def register() -> None:
-    """Register the replacement (sglang calls this; it imports sglang's Mooncake manager module)."""
+    """Register the replacement (sglang calls this; it imports sglang's Mooncake manager module).
+
+    On an sglang release kvwire does not support (:mod:`kvwire.compat.host_range`), the process stops
+    with the reason (``SystemExit``: sglang's plugin loader logs and swallows an ``Exception``), unless
+    ``KVWIRE_SGLANG_UNSUPPORTED`` is ``fallback`` (sglang's own path) or ``try`` (kvwire anyway).
+    """
+    from kvwire.compat.host_range import UnsupportedHostError, host_decision
+
+    log = logging.getLogger("kvwire.compat.sglang")
+    try:
+        decision = host_decision("sglang")
+    except UnsupportedHostError as exc:
+        log.error("kvwire-sglang: %s", exc)
+        raise SystemExit(f"kvwire-sglang: {exc}") from None
+    if decision == "fallback":
+        log.warning("kvwire-sglang: unsupported sglang, KVWIRE_SGLANG_UNSUPPORTED=fallback: kvwire is NOT used")
+        return
+
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from kvwire.compat.sglang import KvwireManagerMixin
 
     missing = [name for name in _NEEDED if not hasattr(MooncakeKVManager, name)]
-    if missing:  # another sglang than the one the mixin was written for: leave sglang as it is, and say so
-        logging.getLogger("kvwire.compat.sglang").error(
-            "kvwire-sglang: this sglang's MooncakeKVManager has no %s (kvwire-sglang needs sglang 0.5.23's); "
-            "kvwire is NOT used, sglang's own Mooncake path is",
-            ", ".join(missing),
+    if missing:  # only with KVWIRE_SGLANG_UNSUPPORTED=try: this sglang lacks what the mixin hooks into
+        raise SystemExit(
+            f"kvwire-sglang: this sglang's MooncakeKVManager has no {', '.join(missing)} (kvwire-sglang needs "
+            "sglang 0.5.23's); set KVWIRE_SGLANG_UNSUPPORTED=fallback to run on sglang's own Mooncake path"
         )
-        return
 
     class KvwireKVManager(KvwireManagerMixin, MooncakeKVManager):  # type: ignore[misc]
         """sglang's Mooncake KV manager with its ``send_kvcache`` through kvwire."""

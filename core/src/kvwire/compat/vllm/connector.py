@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
     KVConnectorRole,
 )
 
+from kvwire.compat.host_range import host_decision
 from kvwire.compat.vllm.metadata import StepMetadata
 from kvwire.compat.vllm.scheduler import SchedulerSide
 from kvwire.compat.vllm.settings import ConnectorSettings, EngineSide
@@ -65,6 +66,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     """vLLM's KV connector over a kvwire backend: the prefill pushes, the decode registers and receives."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        host_decision("vllm")  # UnsupportedHostError on a vLLM release kvwire is not tested on (unless "try")
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
