@@ -13,6 +13,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -246,3 +247,43 @@ def test_the_vllm_worker_logs_one_activation_line_naming_what_configured_it(
         assert line.endswith("; configured: timeout_s=3.0 ($KVWIRE_TIMEOUT_S)"), line
     finally:
         worker.shutdown()
+
+
+# -- a decode's registration never raises out of sglang's hooks ----------------------------------------------
+
+
+class _PrefillBase:
+    """sglang's prefill-side registration hook, as the mixin calls it."""
+
+    def _publish_peer_registration(self, session_id: str, decode_kv_args: Any) -> str:
+        return "sglang's verdict"
+
+
+class _Prefill(KvwireManagerMixin, _PrefillBase):  # type: ignore[misc]
+    pass
+
+
+@pytest.mark.parametrize(
+    ("session", "ptrs", "message"),
+    [
+        ("s1", ["zz"], "decode session s1: ValueError: invalid literal for int() with base 10: 'zz'; sends to it"),
+        ("s2", [object()], "decode session s2: TypeError: int() argument must be a string"),
+        ("s" * 5000, [1], "decode session " + "s" * 200 + ": published buffers at"),
+    ],
+)
+def test_whatever_a_decode_registers_sglangs_hook_returns_its_verdict(
+    session: str, ptrs: list[Any], message: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    pool = np.zeros((4, 64), np.uint8)
+    manager: Any = _Prefill()
+    manager.kvwire_connection = kvwire.connect("local", BackendConfig())
+    manager._kvwire_lock = threading.Lock()
+    manager._kvwire_registered = {session: KVLayout.mla([pool])}
+    try:
+        with caplog.at_level(logging.ERROR, logger="kvwire"):
+            verdict = manager._publish_peer_registration(session, SimpleNamespace(dst_kv_ptrs=ptrs))
+    finally:
+        manager.kvwire_connection.close()
+    assert verdict == "sglang's verdict"
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"kvwire: {message}"), line

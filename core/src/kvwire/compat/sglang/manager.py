@@ -125,6 +125,11 @@ def sglang_activation_line(connection: Any, server_args: Any, layout: KVLayout, 
     return activation_line(connection, "sglang", role, detail, resolved)
 
 
+def _said(exc: Exception) -> str:
+    """A kvwire error's message; anything else with its type (it came from a peer's input kvwire did not expect)."""
+    return str(exc) if isinstance(exc, KvwireError) else f"{type(exc).__name__}: {exc}"
+
+
 def default_backend() -> str:
     """``hisparse`` when kvwire-hisparse is installed and allowed, else ``mooncake``.
 
@@ -323,8 +328,8 @@ class KvwireManagerMixin(KvwireSendMixin):
         session_id = bytes(frames[3]).decode("ascii", "replace")
         try:
             layout = layout_from_frames(frames, session_id)
-        except KvwireError as exc:
-            log.error("kvwire: decode session %.200s sent a layout kvwire refuses: %s", session_id, exc)
+        except Exception as exc:  # whatever a peer sends, sglang's bootstrap thread goes on
+            log.error("kvwire: decode session %.200s sent a layout kvwire refuses: %s", session_id, _said(exc))
             return
         if layout is not None:
             with self._kvwire_lock:
@@ -345,9 +350,13 @@ class KvwireManagerMixin(KvwireSendMixin):
                     mooncake_session_id,
                     self.kvwire_connection.name,
                 )
-        except KvwireError as exc:  # the decode stays unknown to kvwire (or is forgotten): its sends are refused
-            log.error("kvwire: decode session %s: %s; sends to it are refused", mooncake_session_id, exc)
-            self.kvwire_connection.remove_peer(mooncake_session_id)
+        except Exception as exc:  # the decode stays unknown to kvwire (or is forgotten): its sends are refused
+            # whatever the decode registered, sglang's bootstrap thread goes on (a peer's input never raises here)
+            log.error("kvwire: decode session %.200s: %s; sends to it are refused", mooncake_session_id, _said(exc))
+            try:
+                self.kvwire_connection.remove_peer(mooncake_session_id)
+            except Exception as gone:  # a session id kvwire refuses was never added: nothing to forget
+                log.debug("kvwire: decode session %.200s not forgotten: %s", mooncake_session_id, gone)
         return verdict
 
     def _kvwire_peer(self, published: KVLayout | None, decode_kv_args: Any) -> KVLayout:
