@@ -130,6 +130,13 @@ class Node:
             ),
         )
         self.config.cache_config.block_size = BLOCK_SIZE
+        # one step prefills a whole prompt: the stand-in "forward" writes a request's blocks when it is first
+        # scheduled, and samples a token for every scheduled request (vLLM's runner gives none for a partial
+        # prefill), so a prompt chunked at 2,048 tokens would finish after its first chunk
+        scheduler_config = self.config.scheduler_config
+        scheduler_config.max_num_batched_tokens = max(
+            scheduler_config.max_num_batched_tokens, model_config.max_model_len
+        )
         self._ctx = set_current_vllm_config(self.config)
         self._ctx.__enter__()
         # the engine core's order: resolve the layout, plan the KV cache, allocate it (the model runner's)
