@@ -129,6 +129,17 @@ class NotificationWatcher:
             self._cond.notify_all()
 
     @property
+    def running(self) -> bool:
+        """False once the watcher stopped: by :meth:`stop`, or by an exception (:attr:`error`)."""
+        return self._thread.is_alive()
+
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the watcher's thread (polling or ``on_arrival`` raised), or None."""
+        with self._cond:
+            return self._error
+
+    @property
     def kept(self) -> list[Arrival]:
         """The arrivals kept now, oldest first, without waiting and without raising what stopped the watcher."""
         with self._cond:

@@ -79,7 +79,30 @@ class Receiver:
         self.failures: dict[str, str] = {}  # request id -> why it failed (the latest KEPT_FAILURES)
         #: Notifications and notices ignored for lacking their registration's token (not from its senders).
         self.spoofed = 0
-        self._watcher = NotificationWatcher(connection, self._on_arrival, max_kept=0, name="kvwire-vllm-arrivals")
+        self._connection = connection
+        self._closed = False
+        self.watcher_restarts = 0
+        self._watcher = self._new_watcher()
+
+    def _new_watcher(self) -> NotificationWatcher:
+        return NotificationWatcher(self._connection, self._on_arrival, max_kept=0, name="kvwire-vllm-arrivals")
+
+    def _keep_watching(self) -> None:
+        """A watcher stopped by a failed poll is logged and replaced (each step): arrivals never stop silently."""
+        if self._closed or self._watcher.running:
+            return
+        error = self._watcher.error
+        self.watcher_restarts += 1
+        log.error(
+            "kvwire: the decode's notification watcher stopped (%s: %s); restarting it (restart %d)",
+            type(error).__name__,
+            error,
+            self.watcher_restarts,
+        )
+        try:
+            self._watcher = self._new_watcher()
+        except Exception as exc:  # the backend cannot poll now: the next step tries again
+            log.error("kvwire: restarting the notification watcher failed: %s", exc)
 
     def _senders(self, tp_size: int) -> tuple[int | None, ...]:
         """The prefill ranks that write this rank's blocks (None: rank to rank, equal TP sizes)."""
@@ -179,6 +202,17 @@ class Receiver:
             pending.settled.update(pending.senders if every else (rank,))
 
     def _on_arrival(self, arrival: Arrival) -> None:
+        try:
+            self._take_arrival(arrival)
+        except Exception as exc:  # one message kvwire cannot read: that message only, the watcher goes on
+            log.error(
+                "kvwire: ignored a notification (%r...): %s: %s",
+                arrival.notification.message[:60],
+                type(exc).__name__,
+                exc,
+            )
+
+    def _take_arrival(self, arrival: Arrival) -> None:
         token, message = split_token(arrival.notification.message)
         notice = parse_failure_notice(message)
         if notice is not None:
@@ -224,6 +258,7 @@ class Receiver:
 
     def finished(self) -> set[str]:
         """Requests done receiving (arrived, or failed: their blocks then go to :meth:`load_errors`)."""
+        self._keep_watching()
         now = self._clock()
         done: set[str] = set()
         with self._lock:
@@ -261,4 +296,8 @@ class Receiver:
             return len(self._pending)
 
     def close(self) -> None:
-        self._watcher.stop()
+        self._closed = True
+        try:
+            self._watcher.stop()
+        except Exception as exc:  # what stopped it was logged when it was restarted, or is logged now
+            log.error("kvwire: the decode's notification watcher had stopped: %s: %s", type(exc).__name__, exc)
