@@ -8,12 +8,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
 import pytest
+from numpy.typing import NDArray
 from submit_scenarios import _outcome
 
 import kvwire
@@ -380,27 +381,65 @@ def test_lint_leaves_a_nested_class_whose_base_is_bound_in_the_enclosing_body(tm
 
 
 def test_a_send_that_never_returns_fails_typed_within_the_deadline_and_other_peers_are_still_served() -> None:
-    """Leftover: a third-party backend whose send blocks forever hung the caller (timeout_s was not enforced)."""
-    from kvwire.backends.local import LocalBackend, LocalTransport
+    """Leftover: a third-party backend whose send blocks forever hung the caller (timeout_s was not enforced).
+
+    A hook-style backend (not built on kvwire.TransportBackend, whose transports end every call within
+    timeout_s by contract) runs on the Connection's call threads, under the deadline.
+    """
+    from kvwire.backends.local import LocalBackend
     from kvwire.connection.deadline import CALL_GRACE_S
 
     release = threading.Event()
     entered = threading.Event()
 
-    class FrozenTransport(LocalTransport):
-        """The local transport, except that a write to the frozen peer blocks until the test releases it."""
+    class Frozen:
+        """A third party's hook-style backend over the local one, whose send never returns for one peer."""
 
-        def write(self, session_id: str, plan: kvwire.TransferPlan) -> None:
+        spec_version = "1.5"
+        capabilities = frozenset({"layer_ids", "mha", "mla", "host_memory"})
+
+        def __init__(self, config: kvwire.BackendConfig) -> None:
+            self.inner = LocalBackend(config)
+
+        @kvwire.hookimpl
+        def register_kv_buffers(self, layout: kvwire.KVLayout) -> None:
+            self.inner.register_kv_buffers(layout)
+
+        @kvwire.hookimpl
+        def endpoint(self) -> str:
+            return self.inner.endpoint()
+
+        @kvwire.hookimpl
+        def add_peer(self, session_id: str, layout: kvwire.KVLayout) -> None:
+            self.inner.add_peer(session_id, layout)
+
+        @kvwire.hookimpl
+        def remove_peer(self, session_id: str) -> None:
+            self.inner.remove_peer(session_id)
+
+        @kvwire.hookimpl
+        def send_kvcache(
+            self,
+            session_id: str,
+            prefill_kv_indices: NDArray[np.int32],
+            dst_kv_ptrs: Sequence[int],
+            dst_kv_indices: NDArray[np.int32],
+            executor: Executor | None,
+            dst_layer_ids: Sequence[int] | None = None,
+            dst_device_kv_indices: NDArray[np.int32] | None = None,
+            dst_kv_item_len: int | None = None,
+            dst_attn_tp_size: int | None = None,
+        ) -> int:
             if session_id == frozen_peer[0]:
                 entered.set()
                 release.wait(60)
-            super().write(session_id, plan)
+            return self.inner.send_kvcache(
+                session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, executor, dst_layer_ids
+            )
 
-    class Frozen(LocalBackend):
-        """A third-party backend whose send never returns for one peer (its transport blocks)."""
-
-        def open_transport(self, config: kvwire.BackendConfig) -> LocalTransport:
-            return FrozenTransport()
+        @kvwire.hookimpl
+        def close(self) -> None:
+            self.inner.close()
 
     frozen_peer = [""]
     registry = kvwire.Registry(allow=["frozen"], policy="strict")

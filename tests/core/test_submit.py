@@ -321,13 +321,37 @@ def test_a_core_pool_submission_is_planned_once_and_its_bytes_land(
     assert len(calls) == 2 and pair.pages_equal(range(4, 8))
 
 
-def test_the_request_a_connection_hands_over_is_the_one_the_backend_receives() -> None:
-    from kvwire.spec.request import handing
+def test_a_send_reaches_the_base_as_plain_arguments_on_the_callers_thread() -> None:
+    """The Connection hands the request it built, the caller's executor and its plan to send_request, same thread."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
 
-    idx = np.array([1], np.int32)
-    request = kvwire.TransferRequest(idx, [4096], idx)
-    with handing(request):
-        assert kvwire.TransferRequest.received(**request.arguments()) is request
-        other = kvwire.TransferRequest.received(**{**request.arguments(), "dst_kv_indices": idx.copy()})
-    assert other is not request  # a middleware that replaced an argument gets a request of its own
-    assert kvwire.TransferRequest.received(**request.arguments()) is not request  # nothing handed outside the block
+    from kvwire.backends.local import LocalBackend, LocalTransport
+
+    seen: list[tuple[object, ...]] = []
+
+    class Watched(LocalBackend):
+        def send_request(self, session_id: str, request: kvwire.TransferRequest, executor: object = None,
+                         *, plan: kvwire.TransferPlan | None = None) -> int:  # fmt: skip
+            seen.append((request, executor, plan, threading.get_ident()))
+            return super().send_request(session_id, request, executor, plan=plan)  # type: ignore[arg-type]
+
+        def open_transport(self, config: kvwire.BackendConfig) -> LocalTransport:
+            return LocalTransport()
+
+    registry = kvwire.Registry(allow=["watched"], policy="strict")
+    registry.register("watched", Watched)
+    page = np.zeros((8, 512), np.uint8)
+    with registry.connect("watched") as conn, kvwire.connect("local") as peer, ThreadPoolExecutor(1) as pool:
+        dst = np.zeros_like(page)
+        conn.register_kv_buffers(kvwire.KVLayout.mla([page]))
+        peer.register_kv_buffers(kvwire.KVLayout.mla([dst]))
+        conn.add_peer(peer.endpoint(), kvwire.KVLayout.mla([dst]))
+        src_ids, dst_ids = np.array([1, 2], np.int32), np.array([5, 6], np.int32)
+        assert conn.send_kvcache(peer.endpoint(), src_ids, [int(dst.ctypes.data)], dst_ids, pool) == 1024
+        ((request, executor, plan, thread),) = seen
+        assert isinstance(request, kvwire.TransferRequest) and request.dst_kv_indices is dst_ids
+        assert request.prefill_kv_indices is src_ids and executor is pool
+        assert isinstance(plan, kvwire.TransferPlan) and plan.nbytes == 1024  # planned once, by the Connection
+        assert thread == threading.get_ident()  # no call thread for a backend bounded by contract
+        assert conn.stuck_calls == ()

@@ -8,6 +8,14 @@ with :class:`UnsupportedFeatureError`, so nothing is silently dropped.
 ``submit_kvcache`` is the non-blocking send: the backend's own when it declares
 ``submit``, else the core's (:mod:`kvwire.submit.pool`); notifications need a
 backend that declares ``notifications``.
+
+A send is plain calls with arguments. For a :class:`kvwire.TransportBackend` at the
+current spec with no middleware around ``send_kvcache``, the Connection checks the
+request once (one capability gate, one peer lookup), plans it, and hands request,
+executor and plan to the base's ``send_request`` on the caller's thread: its
+transport ends every call within ``timeout_s`` by contract. Any other backend (a
+hook-style third party, an adapted older spec) is called through pluggy on a call
+thread under a deadline (:mod:`kvwire.connection.deadline`).
 """
 
 from __future__ import annotations
@@ -23,32 +31,42 @@ import pluggy
 from numpy.typing import NDArray
 
 from kvwire.config import BackendConfig
-from kvwire.connection.core_submit import CoreSubmit, on_executor
 from kvwire.connection.deadline import CALL_GRACE_S, CallThreads, StuckCall
 from kvwire.connection.guards import as_backend_error, backend_errors, check_middleware
-from kvwire.errors import BackendError, ConfigError, InvalidTransferError
+from kvwire.errors import BackendError, ConfigError, InvalidTransferError, KvwireError
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.layout.peer_table import PeerTable, check_session_id
-from kvwire.planning.head_slicing import needs_head_slicing
+from kvwire.planning.gate import Gate
 from kvwire.planning.plan import TransferPlan
 from kvwire.planning.planner import check_peer_shape, plan_request
-from kvwire.spec.capabilities import MEMORY_FEATURES, refuse_lacking
+from kvwire.spec.history import CURRENT, SpecVersion
 from kvwire.spec.hooks import BackendSpec
 from kvwire.spec.pluggy_project import PROJECT_NAME
-from kvwire.spec.request import TransferRequest, handing
+from kvwire.spec.request import TransferRequest
 from kvwire.submit.futures import TransferFuture, follow
 from kvwire.submit.notifications import Notification, check_message
 from kvwire.submit.pool import Submissions
+from kvwire.transport.backend import TransportBackend
 
 __all__ = ["Connection"]
 
 
-def _dropped(hook: Any, calls: CallThreads) -> None:
+def _dropped(hook: Any, calls: CallThreads | None) -> None:
     """A connection dropped unclosed: close the backend here, without a deadline, and end the call threads."""
     try:
         hook.close()
     finally:
-        calls.close()
+        if calls is not None:
+            calls.close()
+
+
+def _bounded(backend: object, spec_version: str) -> bool:
+    """A backend whose every call ends within ``timeout_s`` by contract: a TransportBackend at the current spec."""
+    try:
+        current = SpecVersion.parse(spec_version) == CURRENT
+    except Exception:
+        return False
+    return current and isinstance(backend, TransportBackend)
 
 
 class Connection:
@@ -78,26 +96,25 @@ class Connection:
         self._pm.add_hookspecs(BackendSpec)
         with backend_errors(name, "its constructor"):
             self.backend: Any = cls(config)
+        self._gate = Gate(f"{name!r} (spec {spec_version})", capabilities)
         self._local: KVLayout | None = None
         self._peers = PeerTable()
-        self._calls = CallThreads(name, config.timeout_s + CALL_GRACE_S)
+        # The caller's thread for a backend bounded by contract; a call thread under a deadline for the rest.
+        bounded = _bounded(self.backend, spec_version)
+        self._calls = None if bounded else CallThreads(name, config.timeout_s + CALL_GRACE_S)
         self._submissions = Submissions(name)
-        core = CoreSubmit(self._submissions, self._plan, self._send_inner, self._notify_inner)
-        self._pm.register(core, name=f"{name}.core-submit")
         self._pm.register(self.backend, name=name)
         for i, extra in enumerate(middleware):
             self._pm.register(extra, name=f"{name}.middleware[{i}]")
         self._hook = self._pm.hook
-        # Submissions: the backend's own hook when it submits natively, else the core's (CoreSubmit).
-        self._submit = (
-            self._hook.submit_kvcache
-            if "submit" in capabilities
-            else self._pm.subset_hook_caller("submit_kvcache", remove_plugins=[self.backend])
-        )
+        # Sends go straight to TransportBackend.send_request unless a middleware wraps send_kvcache.
+        self._direct = bounded and [i.plugin for i in self._hook.send_kvcache.get_hookimpls()] == [self.backend]
+        # Submissions: the backend's own hook when it submits natively, else the middleware around the core's.
+        self._native_submit = "submit" in capabilities
+        self._core_submit = self._pm.subset_hook_caller("submit_kvcache", remove_plugins=[self.backend])
         # What a core-side submission runs: the backend's hooks without the middleware, which saw the submission.
-        inner = [core, *middleware]
-        self._inner_send = self._pm.subset_hook_caller("send_kvcache", remove_plugins=inner)
-        self._inner_notify = self._pm.subset_hook_caller("send_notification", remove_plugins=inner)
+        self._inner_send = self._pm.subset_hook_caller("send_kvcache", remove_plugins=middleware)
+        self._inner_notify = self._pm.subset_hook_caller("send_notification", remove_plugins=middleware)
         # A dropped connection still unregisters its memory (stale registrations break later ones).
         self._finalizer = weakref.finalize(self, _dropped, self._hook, self._calls)
 
@@ -105,33 +122,17 @@ class Connection:
         if not self._finalizer.alive:
             raise BackendError(f"connection to backend {self.name!r} is closed")
 
-    def _require(self, features: frozenset[str], why: str | None = None) -> None:
-        refuse_lacking(f"{self.name!r} (spec {self.spec_version})", self.capabilities, features, why)
-
     def register_kv_buffers(self, layout: KVLayout) -> None:
         """Register the local KV memory (checked against the backend's capabilities first)."""
         self._check_open()
         if not isinstance(layout, KVLayout):
             raise ConfigError(f"layout must be a kvwire.KVLayout, got {type(layout).__name__}")
-        self._check_layout(layout, "the local layout")
+        self._gate.layout(layout, "the local layout")
         for session_id, peer in self._peers.items():
-            self._check_pair(layout, peer, session_id)
+            self._gate.pair(layout, peer, session_id)
         self._local = None
         self._call("register_kv_buffers", layout=layout)
         self._local = layout
-
-    def _check_layout(self, layout: KVLayout, what: str) -> None:
-        self._require(frozenset({layout.attention}), f"{what} ({layout.attention.upper()} buffers)")
-        for kind in sorted({b.memory for b in layout.buffers}):
-            self._require(frozenset({MEMORY_FEATURES[kind]}), f"{what} ({kind} buffers)")
-
-    def _check_pair(self, local: KVLayout, peer: KVLayout, session_id: str) -> None:
-        """Different attention TP sizes on the two sides need head slicing (checked before the first send)."""
-        if needs_head_slicing(local, peer):
-            self._require(
-                frozenset({"head_slicing"}),
-                f"peer {session_id!r}: attention TP size {local.attn_tp_size} here, {peer.attn_tp_size} there",
-            )
 
     def endpoint(self) -> str:
         """The id a peer passes as ``session_id`` to reach this endpoint."""
@@ -147,9 +148,9 @@ class Connection:
         check_session_id(session_id)
         if not isinstance(layout, KVLayout):
             raise ConfigError(f"layout must be a kvwire.KVLayout, got {type(layout).__name__}")
-        self._check_layout(layout, f"peer {session_id!r}")
+        self._gate.layout(layout, f"peer {session_id!r}")
         if self._local is not None:
-            self._check_pair(self._local, layout, session_id)
+            self._gate.pair(self._local, layout, session_id)
         self._call("add_peer", session_id=session_id, layout=layout)
         self._peers.add(session_id, layout)
 
@@ -190,16 +191,21 @@ class Connection:
         """
         self._check_open()
         request = TransferRequest(
-            prefill_kv_indices,
-            dst_kv_ptrs,
-            dst_kv_indices,
-            dst_layer_ids,
-            dst_device_kv_indices,
-            dst_kv_item_len,
-            dst_attn_tp_size,
+            prefill_kv_indices=prefill_kv_indices,
+            dst_kv_ptrs=dst_kv_ptrs,
+            dst_kv_indices=dst_kv_indices,
+            dst_layer_ids=dst_layer_ids,
+            dst_device_kv_indices=dst_device_kv_indices,
+            dst_kv_item_len=dst_kv_item_len,
+            dst_attn_tp_size=dst_attn_tp_size,
         )
-        self._check_request(session_id, request)
-        return self._send(session_id, request, executor)
+        self._admit(session_id, request)
+        if self._direct:
+            plan = self._plan(session_id, request, "send_kvcache")
+            return self._send_planned(session_id, request, executor, plan)
+        self._check_peer_shape(session_id, request)
+        moved = self._call("send_kvcache", session_id=session_id, executor=executor, **request.arguments())
+        return self._moved(moved, "send_kvcache")
 
     def submit_kvcache(
         self,
@@ -231,23 +237,28 @@ class Connection:
         """
         self._check_open()
         request = TransferRequest(
-            prefill_kv_indices,
-            dst_kv_ptrs,
-            dst_kv_indices,
-            dst_layer_ids,
-            dst_device_kv_indices,
-            dst_kv_item_len,
-            dst_attn_tp_size,
+            prefill_kv_indices=prefill_kv_indices,
+            dst_kv_ptrs=dst_kv_ptrs,
+            dst_kv_indices=dst_kv_indices,
+            dst_layer_ids=dst_layer_ids,
+            dst_device_kv_indices=dst_device_kv_indices,
+            dst_kv_item_len=dst_kv_item_len,
+            dst_attn_tp_size=dst_attn_tp_size,
         )
-        self._check_request(session_id, request)
         if notification is not None:
             notification = check_message(notification)
-            self._require(frozenset({"notifications"}), "notification")
-        self._submissions.require_open()
-        with on_executor(executor), handing(request):
-            returned = self._call_with(
-                self._submit, "submit_kvcache", session_id=session_id, request=request, notification=notification
-            )
+        arguments = {"session_id": session_id, "request": request, "notification": notification}
+        self._admit(session_id, request, notification)
+        if self._native_submit:
+            self._check_peer_shape(session_id, request)
+            self._submissions.require_open()
+            returned = self._call_with(self._hook.submit_kvcache, "submit_kvcache", **arguments)
+        else:
+            plan = self._plan(session_id, request, "submit_kvcache")  # every input error now, before queueing
+            self._submissions.require_open()
+            core = self._on_pool(plan, executor)
+            call = self._core_submit.call_extra
+            returned = self._call_with(lambda **kw: call([core], kw), "submit_kvcache", **arguments)
         if not isinstance(returned, Future):
             raise BackendError(
                 f"backend {self.name!r}: submit_kvcache returned {type(returned).__name__}, expected a "
@@ -275,14 +286,14 @@ class Connection:
         self._check_open()
         check_session_id(session_id)
         message = check_message(message, "message")
-        self._require(frozenset({"notifications"}), "send_notification")
+        self._gate.require({"notifications"}, "send_notification")
         self._peers.known(session_id)
         self._call("send_notification", session_id=session_id, message=message)
 
     def poll_notifications(self) -> list[Notification]:
         """The notifications that arrived here since the last call, each once, in arrival order per sender."""
         self._check_open()
-        self._require(frozenset({"notifications"}), "poll_notifications")
+        self._gate.require({"notifications"}, "poll_notifications")
         got = self._call("poll_notifications")
         if not isinstance(got, list) or not all(isinstance(n, Notification) for n in got):
             raise BackendError(
@@ -291,35 +302,63 @@ class Connection:
             )
         return got
 
-    def _check_request(self, session_id: str, request: TransferRequest) -> None:
-        """Check a request: argument types, features the backend lacks, the caller's view of the peer."""
+    def _admit(self, session_id: str, request: TransferRequest, notification: bytes | None = None) -> None:
+        """The session id, and the gate: the features the request (and a notification) use."""
         check_session_id(session_id)
-        self._require(request.features())
+        self._gate.require(request.features())
+        if notification is not None:
+            self._gate.require({"notifications"}, "notification")
+
+    def _check_peer_shape(self, session_id: str, request: TransferRequest) -> None:
+        """For a backend that plans itself: the caller's view of the peer's shape (an adapted one never sees it)."""
         peer = self._peers.get(session_id)
         item_len, tp_size = request.dst_kv_item_len, request.dst_attn_tp_size
         if (item_len is not None or tp_size is not None) and self._local and peer:
             check_peer_shape(self._local, peer, request.dst_layer_ids, item_len, tp_size)
 
-    def _send(self, session_id: str, request: TransferRequest, executor: Executor | None) -> int:
-        with handing(request):
-            moved = self._call("send_kvcache", session_id=session_id, executor=executor, **request.arguments())
-        return self._moved(moved, "send_kvcache")
-
-    def _plan(self, session_id: str, request: TransferRequest) -> TransferPlan:
-        """The plan of a core-side submission, against the recorded layouts (the backend's send reuses it)."""
+    def _plan(self, session_id: str, request: TransferRequest, hook: str) -> TransferPlan:
+        """Plan an admitted ``request`` against the recorded layouts: one peer lookup, every bound checked."""
         if self._local is None:
-            raise InvalidTransferError("register_kv_buffers() must be called before submit_kvcache()")
+            raise InvalidTransferError(f"register_kv_buffers() must be called before {hook}()")
         return plan_request(request, self._local, self._peers.known(session_id))
 
-    def _send_inner(self, session_id: str, request: TransferRequest) -> int:
-        with handing(request):
-            moved = self._call_with(
-                self._inner_send, "send_kvcache", session_id=session_id, executor=None, **request.arguments()
-            )
+    def _send_planned(
+        self, session_id: str, request: TransferRequest, executor: Executor | None, plan: TransferPlan
+    ) -> int:
+        """The base's send of a checked, planned request (the direct path), on this thread."""
+        try:
+            moved = self.backend.send_request(session_id, request, executor, plan=plan)
+        except KvwireError:
+            raise
+        except (Exception, SystemExit) as exc:  # as backend_errors() does, without a context manager per send
+            raise as_backend_error(exc, self.name, "send_kvcache") from exc
         return self._moved(moved, "send_kvcache")
 
-    def _notify_inner(self, session_id: str, message: bytes) -> None:
-        self._call_with(self._inner_notify, "send_notification", session_id=session_id, message=message)
+    def _on_pool(self, plan: TransferPlan, executor: Executor | None) -> Any:
+        """The core's ``submit_kvcache`` for one submission of a backend that does not submit natively.
+
+        Passed to pluggy as this call's implementation (``call_extra``), so a middleware still sees the
+        submission once; the blocking send, then the notification, run on ``executor`` or the pool.
+        """
+
+        def submit_kvcache(session_id: str, request: TransferRequest, notification: bytes | None) -> Future[int]:
+            def job() -> int:
+                if self._direct:
+                    moved = self._send_planned(session_id, request, None, plan)
+                else:
+                    sent = self._call_with(
+                        self._inner_send, "send_kvcache", session_id=session_id, executor=None, **request.arguments()
+                    )
+                    moved = self._moved(sent, "send_kvcache")
+                if notification is not None:
+                    self._call_with(
+                        self._inner_notify, "send_notification", session_id=session_id, message=notification
+                    )
+                return moved
+
+            return self._submissions.run(TransferFuture(session_id, plan.nbytes, len(plan)), job, executor)
+
+        return submit_kvcache
 
     def _moved(self, moved: object, hook: str) -> int:
         if isinstance(moved, bool) or not isinstance(moved, (int, np.integer)) or moved < 0:
@@ -334,8 +373,10 @@ class Connection:
         return self._call_with(getattr(self._hook, hook), hook, **kwargs)
 
     def _call_with(self, caller: Any, hook: str, **kwargs: Any) -> Any:
-        """``caller(**kwargs)`` under the call deadline (:mod:`kvwire.connection.deadline`)."""
+        """``caller(**kwargs)``: on this thread for a bounded backend, else under the call deadline."""
         with backend_errors(self.name, hook):
+            if self._calls is None:
+                return caller(**kwargs)
             return self._calls.call(hook, kwargs.get("session_id"), lambda: caller(**kwargs))
 
     @property
@@ -346,14 +387,14 @@ class Connection:
         list when the backend returns. A non-empty list means the backend broke
         its contract: the connection still serves other calls.
         """
-        return self._calls.stuck
+        return self._calls.stuck if self._calls is not None else ()
 
     @property
     def state(self) -> str:
         """``"open"``, ``"degraded"`` (open, with :attr:`stuck_calls`) or ``"closed"``."""
         if not self._finalizer.alive:
             return "closed"
-        return "degraded" if self._calls.stuck else "open"
+        return "degraded" if self.stuck_calls else "open"
 
     def raw_write(self, session_id: str, plan: TransferPlan) -> None:
         """The backend's bare engine call on ``plan`` (capability ``raw_write``), for benchmarks.
@@ -362,11 +403,10 @@ class Connection:
         :func:`kvwire.plan_transfer` between the registered layout and this peer's.
         """
         self._check_open()
-        self._require(frozenset({"raw_write"}), "raw_write")
+        self._gate.require({"raw_write"}, "raw_write")
         if not isinstance(plan, TransferPlan):
             raise ConfigError(f"plan must be a kvwire.TransferPlan, got {type(plan).__name__}")
-        with backend_errors(self.name, "raw_write"):
-            self._calls.call("raw_write", session_id, lambda: self.backend.raw_write(session_id, plan))
+        self._call_with(self.backend.raw_write, "raw_write", session_id=session_id, plan=plan)
 
     def close(self) -> None:
         """Close the backend (idempotent).
@@ -385,7 +425,8 @@ class Connection:
                 self._call("close")
         finally:
             self._submissions.shutdown()
-            self._calls.close()
+            if self._calls is not None:
+                self._calls.close()
 
     def __enter__(self) -> Connection:
         return self

@@ -18,21 +18,21 @@ spec change is made once, here, instead of in every backend.
 from __future__ import annotations
 
 import threading
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from contextlib import suppress
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from kvwire.config import BackendConfig
 from kvwire.errors import BackendError, InvalidTransferError, KvwireError, UnsupportedFeatureError
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.layout.peer_table import PeerTable
+from kvwire.planning.gate import Gate
 from kvwire.planning.plan import TransferPlan
 from kvwire.planning.planner import plan_request
-from kvwire.spec.capabilities import refuse_lacking
 from kvwire.spec.pluggy_project import hookimpl
-from kvwire.spec.request import SendCall, TransferRequest, send_signature
+from kvwire.spec.request import SendAdapter, TransferRequest
 from kvwire.submit.futures import TransferFuture, follow, run_into
 from kvwire.submit.notifications import Notification
 from kvwire.transport import telemetry
@@ -42,7 +42,7 @@ from kvwire.transport.staging import Staging, gather_of
 __all__ = ["TransportBackend"]
 
 
-class TransportBackend(ABC):
+class TransportBackend(SendAdapter):
     """A kvwire backend made of a :class:`Transport`; subclasses implement :meth:`open_transport`.
 
     Subclasses declare ``spec_version`` and ``capabilities`` like any backend;
@@ -60,6 +60,7 @@ class TransportBackend(ABC):
         self._local: KVLayout | None = None
         self._closed = False
         self._peers = PeerTable()
+        self._gate = Gate(repr(type(self).__name__), type(self).capabilities_declared())
         # Many small slices with contiguous destinations go through a staging buffer (kvwire.transport.staging).
         self._staging = Staging(self.transport) if getattr(self.transport, "staged_writes", False) else None
 
@@ -67,11 +68,14 @@ class TransportBackend(ABC):
     def open_transport(self, config: BackendConfig) -> Transport:
         """Create the transport (heavy engine imports belong here, not at module import)."""
 
-    # -- spec hooks -----------------------------------------------------------
+    # -- spec hooks (send_kvcache, the flat call, is SendAdapter's: it builds the request by keyword) ---
 
     @hookimpl
     def register_kv_buffers(self, layout: KVLayout) -> None:
         """Register every buffer of ``layout``, replacing the previous layout; all or nothing."""
+        self._gate.layout(layout, "the local layout")
+        for session_id, peer in self._peers.items():
+            self._gate.pair(layout, peer, session_id)
         with self._lock:
             previous, self._local = self._local, None
         if previous is not None:
@@ -94,6 +98,11 @@ class TransportBackend(ABC):
 
     @hookimpl
     def add_peer(self, session_id: str, layout: KVLayout) -> None:
+        self._gate.layout(layout, f"peer {session_id!r}")
+        with self._lock:
+            local = self._local
+        if local is not None:
+            self._gate.pair(local, layout, session_id)
         self.transport.add_peer(session_id, layout)
         self._peers.add(session_id, layout)
 
@@ -102,16 +111,27 @@ class TransportBackend(ABC):
         self._peers.remove(session_id)
         self.transport.forget_peer(session_id)
 
-    @hookimpl
-    @send_signature
-    def send_kvcache(self, *args: Any, **kwargs: Any) -> int:
-        """The spec's ``send_kvcache`` (its signature is :class:`kvwire.BackendProtocol`'s, not spelled here)."""
-        call = SendCall.bind(args, kwargs)
-        session_id, request = call.session_id, call.request
-        self._refuse_unsupported(request.features())
-        local, peer = self._layouts(session_id, "send_kvcache")
+    def send_request(
+        self,
+        session_id: str,
+        request: TransferRequest,
+        executor: Executor | None = None,
+        *,
+        plan: TransferPlan | None = None,
+    ) -> int:
+        """Write ``request``'s pages into the peer; return the bytes moved.
+
+        ``plan``: the request's plan when the caller made it (a :class:`kvwire.Connection` checks and
+        plans against its own records of the same layouts): it is written as given. Without it the
+        request is checked and planned here. ``executor`` is the host's (sglang's transfer pool); the
+        transports write on their own threads and do not use it.
+        """
         started = telemetry.clock()
-        plan = plan_request(request, local, peer)
+        if plan is None:
+            self._gate.require(request.features())
+        local = self._local_layout("send_kvcache")
+        if plan is None:
+            plan = plan_request(request, local, self._peers.known(session_id))
         planned = telemetry.clock()
         if len(plan):
             gather = gather_of(plan, local, self._staging.max_item) if self._staging is not None else None
@@ -128,7 +148,7 @@ class TransportBackend(ABC):
     ) -> Future[int]:
         """Plan now (input errors raise here), then hand the plan to the transport's ``submit``."""
         needed = {"submit"} | ({"notifications"} if notification is not None else set())
-        self._refuse_unsupported(request.features() | needed, "submit_kvcache")
+        self._gate.require(request.features() | needed, "submit_kvcache")
         local, peer = self._layouts(session_id, "submit_kvcache")
         plan = plan_request(request, local, peer)
         future = TransferFuture(session_id, plan.nbytes, len(plan))
@@ -145,13 +165,13 @@ class TransportBackend(ABC):
 
     @hookimpl
     def send_notification(self, session_id: str, message: bytes) -> None:
-        self._refuse_unsupported({"notifications"}, "send_notification")
+        self._gate.require({"notifications"}, "send_notification")
         self._layouts(session_id, "send_notification")  # a known peer
         self.transport.notify(session_id, message)
 
     @hookimpl
     def poll_notifications(self) -> list[Notification]:
-        self._refuse_unsupported({"notifications"}, "poll_notifications")
+        self._gate.require({"notifications"}, "poll_notifications")
         return self.transport.poll_notifications()
 
     @hookimpl
@@ -182,24 +202,25 @@ class TransportBackend(ABC):
 
     # -- helpers --------------------------------------------------------------
 
-    def _refuse_unsupported(self, used: frozenset[str] | set[str], why: str | None = None) -> None:
-        """Direct callers (not through a Connection) get the same refusal the Connection gives."""
-        refuse_lacking(repr(type(self).__name__), type(self).capabilities_declared(), used, why)
-
     @classmethod
     def capabilities_declared(cls) -> frozenset[str]:
         """The class's ``capabilities`` (empty when it declares none or something that is not a set)."""
         raw: object = getattr(cls, "capabilities", frozenset())
         return frozenset(str(c) for c in raw) if isinstance(raw, (set, frozenset)) else frozenset()
 
-    def _layouts(self, session_id: str, hook: str) -> tuple[KVLayout, KVLayout]:
+    def _local_layout(self, hook: str) -> KVLayout:
+        """The registered layout; refused when the backend is closed or nothing is registered."""
         with self._lock:
             local, closed = self._local, self._closed
         if closed:
             raise BackendError(f"backend {type(self).__name__} is closed; nothing was sent")
         if local is None:
             raise InvalidTransferError(f"register_kv_buffers() must be called before {hook}()")
-        return local, self._peers.known(session_id)
+        return local
+
+    def _layouts(self, session_id: str, hook: str) -> tuple[KVLayout, KVLayout]:
+        """The local layout and the peer's (unknown peers refused by name)."""
+        return self._local_layout(hook), self._peers.known(session_id)
 
     def _unregister(self, bases: Sequence[int]) -> None:
         """Unregister every range in ``bases``; raise the first failure after trying all."""
