@@ -37,7 +37,7 @@ def test_kit_runs_from_the_command_line(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "31 passed, 1 skipped" in proc.stdout  # the refusal test is skipped: local carries notifications
+    assert "34 passed, 1 skipped" in proc.stdout  # the refusal test is skipped: local carries notifications
 
 
 def _pytest(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -77,3 +77,16 @@ def test_a_kit_fixture_overridden_function_scoped_is_one_line_saying_what_to_wri
         "ERROR: kvwire contract kit: fixture kvwire_backend_name in test_mine.py is function-scoped, but the kit's "
         'harness lives per module: write @pytest.fixture(scope="module") (or "session")'
     )
+
+
+def test_the_kit_takes_a_module_path_backend_as_kvwire_check_does(tmp_path: Path) -> None:
+    """``--kvwire-backend package.module:Class`` runs the suite on a class that is not installed."""
+    (tmp_path / "my_backend.py").write_text(
+        "from kvwire.backends.local import LocalBackend\n\n\nclass Mine(LocalBackend):\n    pass\n"
+    )
+    run = _pytest(tmp_path, "--kvwire-backend", "my_backend:Mine")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "34 passed, 1 skipped" in run.stdout
+    missing = _pytest(tmp_path, "--kvwire-backend", "no_such_module:Mine")
+    assert missing.returncode == 4  # pytest's usage error
+    assert "ERROR: --kvwire-backend no_such_module:Mine: backend 'no_such_module:Mine'" in missing.stderr

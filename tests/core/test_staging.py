@@ -138,11 +138,15 @@ def test_a_transport_with_a_staging_limit_writes_slices_at_the_limit_as_planned(
     from kvwire.backends.local import LocalTransport
 
     slice_bytes = (TOTAL_HEADS // 2) * HEAD_DIM * ELEM  # one token's heads at decode TP 2: one slice
-    monkeypatch.setattr(LocalTransport, "staging_max_item", slice_bytes, raising=False)
+    monkeypatch.setattr(
+        LocalTransport, "tuning", kvwire.TransportTuning(staged_writes=True, staging_max_item=slice_bytes)
+    )
     for d, ok, lengths, sliced in _send_all(1, 2):
         assert ok, f"decode rank {d}"
         assert sliced in lengths  # not staged: the slices are as large as the limit
-    monkeypatch.setattr(LocalTransport, "staging_max_item", slice_bytes + 1, raising=False)
+    monkeypatch.setattr(
+        LocalTransport, "tuning", kvwire.TransportTuning(staged_writes=True, staging_max_item=slice_bytes + 1)
+    )
     for d, ok, lengths, sliced in _send_all(1, 2):
         assert ok and max(lengths) * MIN_GAIN <= sliced, f"decode rank {d}: {lengths}"
 

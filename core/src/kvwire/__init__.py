@@ -32,7 +32,7 @@ from kvwire.layout.kv_layout import KVLayout
 from kvwire.layout.peer import PeerDescription
 from kvwire.planning.plan import TransferPlan
 from kvwire.planning.planner import plan_transfer
-from kvwire.registry.findings import Finding
+from kvwire.registry.findings import BackendOrigin, Finding
 from kvwire.registry.installed import core_version
 from kvwire.registry.loading import BackendInfo
 from kvwire.registry.manager import Registry, connect, default_registry, register_backend
@@ -47,7 +47,7 @@ from kvwire.submit.futures import TransferFuture
 from kvwire.submit.notifications import MAX_NOTIFICATION_BYTES, Notification
 from kvwire.submit.watcher import Arrival, NotificationWatcher
 from kvwire.transport.backend import TransportBackend
-from kvwire.transport.interface import RawWriter, Transport
+from kvwire.transport.interface import RawWriter, Transport, TransportTuning
 from kvwire.transport.regions import RegionSet
 
 __version__ = core_version()  # from the installed metadata: pyproject.toml is the one source
@@ -65,6 +65,7 @@ __all__ = [
     "BackendError",
     "BackendImportError",
     "BackendInfo",
+    "BackendOrigin",
     "BackendProtocol",
     "BackendLoadError",
     "BackendSpec",
@@ -98,6 +99,7 @@ __all__ = [
     "TransferTimeoutError",
     "Transport",
     "TransportBackend",
+    "TransportTuning",
     "UnsupportedFeatureError",
     "ValidationResult",
     "__version__",

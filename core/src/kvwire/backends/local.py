@@ -25,7 +25,7 @@ from kvwire.planning.plan import TransferPlan
 from kvwire.submit.inbox import Inbox
 from kvwire.submit.notifications import Notification
 from kvwire.transport.backend import TransportBackend
-from kvwire.transport.interface import Transport
+from kvwire.transport.interface import Transport, TransportTuning
 from kvwire.transport.regions import RegionSet
 
 __all__ = ["LocalBackend", "LocalTransport"]
@@ -40,7 +40,7 @@ _lock = threading.RLock()
 class LocalTransport(Transport):
     """memmove between registered regions of endpoints in this process."""
 
-    staged_writes = True  # one memmove per descriptor: fewer, larger ones pay
+    tuning = TransportTuning(staged_writes=True)  # one memmove per descriptor: fewer, larger ones pay
 
     def __init__(self) -> None:
         self.regions = RegionSet()

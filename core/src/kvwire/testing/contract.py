@@ -9,6 +9,7 @@ pages); ``dst-page-out-of-range`` and the like name the invalid input sent.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -16,18 +17,21 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvwire.errors import InvalidTransferError, KvwireError, UnsupportedFeatureError
+from kvwire.connection.deadline import CALL_GRACE_S
+from kvwire.errors import InvalidTransferError, KvwireError, TransferError, UnsupportedFeatureError
 from kvwire.planning.plan import TransferPlan
 from kvwire.registry.validator import validate_backend
 from kvwire.spec.capabilities import FEATURES
 from kvwire.spec.history import PARAMETER_FEATURES, known_versions
-from kvwire.testing.harness import ContractHarness, Pair
-from kvwire.testing.receiver import LayoutSpec
+from kvwire.testing.harness import ContractHarness, Pair, expected_buffers
+from kvwire.testing.receiver import LayoutSpec, buffer_digests
 from kvwire.workload.fragment import fragmented_pages
 
 __all__ = [
     "kvwire_invalid_pair",
+    "test_contract_close_while_submissions_are_in_flight",
     "test_contract_empty_request",
+    "test_contract_a_dead_peer_fails_typed_in_time_and_other_peers_are_served",
     "test_contract_incoming_writes_outside_registered_memory_are_refused",
     "test_contract_invalid_input_leaves_destination_unchanged",
     "test_contract_layer_mapping",
@@ -36,6 +40,7 @@ __all__ = [
     "test_contract_submit_invalid_input_is_refused_before_queueing",
     "test_contract_submit_many_in_flight",
     "test_contract_round_trip",
+    "test_contract_sends_from_many_threads",
     "test_contract_signature",
     "test_contract_split_destinations",
 ]
@@ -303,3 +308,64 @@ def test_contract_notifications_refused_without_the_feature(kvwire_harness: Cont
         with pytest.raises(UnsupportedFeatureError, match="notifications"):
             pair.submit(np.array([1], np.int32), np.array([1], np.int32), b"x")
         assert pair.receiver.hashes() == pair.untouched_hashes()
+
+
+# -- the rules of kvwire.Transport (its docstring): concurrency, close racing writes, bounded calls ---------------
+
+#: The ``timeout_s`` the dead-peer test runs under: every call must end within it (plus the call grace).
+DEAD_PEER_TIMEOUT_S = 3.0
+
+
+def test_contract_sends_from_many_threads(kvwire_harness: ContractHarness) -> None:
+    """Rule 1: blocking sends run concurrently, from four threads to one peer; every byte lands."""
+    rng = np.random.default_rng(10)
+    requests = _disjoint_requests(rng, 12, 6)
+    with kvwire_harness.pair(*SUBMIT_SHAPE, 10) as pair:
+        with ThreadPoolExecutor(4) as callers:
+            moved = list(callers.map(lambda r: pair.send(*r), requests))
+        assert moved == [6 * 2048 * 4] * len(requests)
+        prefill = np.concatenate([p for p, _ in requests])
+        dst = np.concatenate([d for _, d in requests])
+        assert pair.receiver.hashes() == pair.expected_hashes(prefill, dst)
+
+
+def test_contract_close_while_submissions_are_in_flight(kvwire_harness: ContractHarness) -> None:
+    """Rule 2: close() racing twelve submissions leaves none pending: each moved its bytes, was cancelled
+    before it started, or failed with a kvwire error."""
+    rng = np.random.default_rng(11)
+    requests = _disjoint_requests(rng, 12, 6)
+    with kvwire_harness.pair(*SUBMIT_SHAPE, 11) as pair:
+        futures = [pair.submit(*r) for r in requests]
+        pair.connection.close()
+        assert all(f.done() for f in futures)
+        for future in futures:
+            if future.cancelled():
+                continue
+            error = future.exception(timeout=0)
+            assert error is None or isinstance(error, KvwireError), repr(error)
+            if error is None:
+                assert future.result(timeout=0) == 6 * 2048 * 4
+        assert pair.connection.state == "closed"
+
+
+def test_contract_a_dead_peer_fails_typed_in_time_and_other_peers_are_served(kvwire_harness: ContractHarness) -> None:
+    """Rules 4 and 5: a send to a peer that is gone fails with a TransferError within ``timeout_s`` (plus the
+    call grace), and the same connection goes on serving another peer, bytes verified."""
+    harness = kvwire_harness.with_timeout(DEAD_PEER_TIMEOUT_S)
+    local_spec, peer_spec = SUBMIT_SHAPE
+    rng = np.random.default_rng(12)
+    prefill, dst = fragmented_pages(rng, 96, 8), fragmented_pages(rng, 96, 8)
+    with harness.pair(local_spec, peer_spec, 12) as pair, harness.receiver(peer_spec, 13) as other:
+        pair.connection.add_peer(other.endpoint, other.layout)
+        pair.receiver.close()  # the first peer goes away
+        started = time.monotonic()
+        with pytest.raises(TransferError):
+            pair.send(prefill, dst)
+        took = time.monotonic() - started
+        assert took <= DEAD_PEER_TIMEOUT_S + CALL_GRACE_S, f"a send to a dead peer took {took:.1f} s"
+        ptrs = [b.base for b in other.layout.buffers]
+        moved = pair.connection.send_kvcache(other.endpoint, prefill, ptrs, dst, None)
+        assert moved == 8 * local_spec.page_bytes * len(local_spec.entries())
+        initial = peer_spec.allocate(13).views
+        expected = expected_buffers(pair.memory.views, pair.local, initial, other.layout, prefill, dst)
+        assert other.hashes() == buffer_digests(expected)

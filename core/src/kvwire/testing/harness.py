@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from numpy.typing import NDArray
@@ -161,20 +161,31 @@ class ContractHarness:
     def capabilities(self) -> frozenset[str]:
         return self.info.capabilities
 
+    def with_timeout(self, timeout_s: float) -> ContractHarness:
+        """This harness with ``timeout_s`` in its config (the other settings kept)."""
+        config = replace(self.config or BackendConfig(), timeout_s=timeout_s)
+        return ContractHarness(self.backend, two_process=self.two_process, config=config, middleware=self.middleware)
+
+    @contextmanager
+    def receiver(self, spec: LayoutSpec, seed: int) -> Iterator[Receiver]:
+        """One more receiving endpoint (a second peer), with ``spec``'s memory filled from ``seed``."""
+        receiver: Receiver = (
+            SubprocessReceiver(self.backend, spec, seed, self.config)
+            if self.two_process
+            else InProcessReceiver(self.backend, spec, seed, self.config)
+        )
+        try:
+            yield receiver
+        finally:
+            receiver.close()
+
     @contextmanager
     def pair(self, local_spec: LayoutSpec, peer_spec: LayoutSpec, seed: int) -> Iterator[Pair]:
         """A sender with ``local_spec`` (random data from ``seed``) connected to a receiver with ``peer_spec``."""
         peer_seed = seed + 1_000_003
-        receiver: Receiver = (
-            SubprocessReceiver(self.backend, peer_spec, peer_seed, self.config)
-            if self.two_process
-            else InProcessReceiver(self.backend, peer_spec, peer_seed, self.config)
-        )
-        try:
+        with self.receiver(peer_spec, peer_seed) as receiver:
             memory = local_spec.allocate(seed)
             with connect(self.backend, self.config, middleware=self.middleware) as conn:
                 conn.register_kv_buffers(memory.layout)
                 conn.add_peer(receiver.endpoint, receiver.layout)
                 yield Pair(conn, memory, receiver, peer_spec, peer_seed)
-        finally:
-            receiver.close()

@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from kvwire.config import BackendConfig
-from kvwire.registry.loading import did_you_mean
-from kvwire.registry.manager import installed_backends
+from kvwire.errors import KvwireError
+from kvwire.registry.loading import did_you_mean, is_module_path
+from kvwire.registry.manager import default_registry, installed_backends
 from kvwire.testing.harness import ContractHarness
 
 
@@ -42,7 +43,12 @@ def pytest_configure(config: pytest.Config) -> None:
     if not name:
         return
     installed = installed_backends()
-    if name not in installed:
+    if is_module_path(name):  # ``package.module:Class``, as ``kvwire check`` and ``kvwire.connect`` take it
+        try:
+            default_registry().get(name)
+        except KvwireError as exc:
+            raise pytest.UsageError(f"--kvwire-backend {name}: {exc}") from None
+    elif name not in installed:
         raise pytest.UsageError(
             f"--kvwire-backend {name}: no installed kvwire backend is named {name!r}{did_you_mean(name, installed)}; "
             f"installed: {', '.join(installed) or 'none'}. Fix the name, or pip install the backend's distribution"

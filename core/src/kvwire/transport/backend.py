@@ -62,11 +62,20 @@ class TransportBackend(SendAdapter):
         self._peers = PeerTable()
         self._gate = Gate(repr(type(self).__name__), type(self).capabilities_declared())
         # Many small slices with contiguous destinations go through a staging buffer (kvwire.transport.staging).
-        self._staging = Staging(self.transport) if getattr(self.transport, "staged_writes", False) else None
+        self._staging = Staging(self.transport) if self.transport.tuning.staged_writes else None
 
     @abstractmethod
     def open_transport(self, config: BackendConfig) -> Transport:
         """Create the transport (heavy engine imports belong here, not at module import)."""
+
+    @classmethod
+    def availability(cls) -> str | None:
+        """Why this backend cannot transfer on this host (a missing engine wheel, no device), or None.
+
+        ``kvwire check`` asks it after validation, without instantiating the backend: answer without
+        heavy imports and without blocking. The default: available.
+        """
+        return None
 
     # -- spec hooks (send_kvcache, the flat call, is SendAdapter's: it builds the request by keyword) ---
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, runtime_checkable
 
 from kvwire.errors import UnsupportedFeatureError
 from kvwire.layout.kv_layout import KVLayout
@@ -20,7 +21,24 @@ from kvwire.planning.plan import TransferPlan
 from kvwire.submit.busy import BusyClock
 from kvwire.submit.notifications import Notification
 
-__all__ = ["RawWriter", "Transport"]
+__all__ = ["RawWriter", "Transport", "TransportTuning"]
+
+
+@dataclass(frozen=True)
+class TransportTuning:
+    """How a transport wants its writes shaped: the one optional declaration of its tuning knobs.
+
+    ``staged_writes``: a plan of many small slices whose destinations are contiguous (head slices
+    across attention-TP sizes) is gathered into a staging buffer the base registers through
+    :meth:`Transport.register_memory`, and written in whole destination runs
+    (:mod:`kvwire.transport.staging`); worth it when one large descriptor costs the engine less than
+    many small ones, as every network engine's does. ``staging_max_item`` (None: no limit): slices of
+    this many bytes or more are written as planned, where the engine's cost per descriptor is already
+    small next to the gather's extra copy.
+    """
+
+    staged_writes: bool = False
+    staging_max_item: int | None = None
 
 
 class Transport(ABC):
@@ -30,22 +48,30 @@ class Transport(ABC):
     layout buffer's range, ``write`` with a non-empty plan whose every range lies
     inside the local layout and the peer's published layout.
 
-    ``staged_writes`` (default False): a plan of many small slices whose
-    destinations are contiguous (head slices across attention-TP sizes) is
-    gathered into a staging buffer the base registers through
-    :meth:`register_memory`, and written in whole destination runs
-    (:mod:`kvwire.transport.staging`). A transport sets it True when one large
-    descriptor costs it less than many small ones, as every network engine's does.
-    ``staging_max_item`` (default None: no limit): slices of this many bytes or
-    more are written as planned, where the engine's cost per descriptor is already
-    small next to the gather's extra copy.
-    ``busy`` (default None): a :class:`kvwire.submit.BusyClock` the transport's
-    workers (its posting streams, its per-peer queues) count their writing time
-    in, so that a bench can show whether requests in flight keep them busy.
+    Rules (the contract kit, :mod:`kvwire.testing.contract`, exercises each):
+
+    1. **Concurrency.** ``write``, ``submit``, ``notify`` and ``poll_notifications`` may be called
+       from several threads at once, to one peer or to several; each call's bytes land as if it ran
+       alone (the base never sends overlapping destinations in calls that run together).
+    2. **close races them.** ``close`` may run while writes and submissions are in flight: each of
+       them then completes or fails with a :class:`kvwire.KvwireError`; none is left pending and none
+       touches memory after ``close`` returns. ``close`` is idempotent.
+    3. **submit returns at once.** ``submit`` queues the write and returns its future without
+       waiting for the peer; errors of the transfer go into the future.
+    4. **Every call ends within ``timeout_s``.** A transfer to a peer that is dead or frozen fails
+       with a :class:`kvwire.TransferError` (:class:`kvwire.TransferTimeoutError` at the deadline)
+       within the config's ``timeout_s``. The Connection relies on it: a
+       :class:`kvwire.TransportBackend` runs on the caller's thread, with no deadline thread of its own.
+    5. **A failure is the failed write's alone.** Work queued behind a failed write (to the same peer
+       or others) still runs and succeeds or fails on its own; the notification of a failed
+       submission is not delivered.
+
+    ``tuning`` (a :class:`TransportTuning`; default: none) shapes the writes. ``busy`` (default
+    None) is bench instrumentation: a :class:`kvwire.submit.BusyClock` the transport's workers count
+    their writing time in, so a bench can show whether requests in flight keep them busy.
     """
 
-    staged_writes: bool = False
-    staging_max_item: int | None = None
+    tuning: ClassVar[TransportTuning] = TransportTuning()
     busy: BusyClock | None = None
 
     @property

@@ -14,7 +14,7 @@ descriptors as destination runs (whole pages, coalesced).
 (else the plan is written as planned):
 
 * every descriptor has one length ``L`` (below the transport's
-  ``staging_max_item``, if it sets one) and its source lies in one host buffer
+  ``tuning.staging_max_item``, if it sets one) and its source lies in one host buffer
   of the local layout, at an offset that is a multiple of ``L``;
 * runs of contiguous destinations (``dst[i + 1] == dst[i] + L``) cut the
   descriptor count at least :data:`MIN_GAIN`-fold.
@@ -111,7 +111,7 @@ class Staging:
         self._transport = transport
         self._nbytes = nbytes
         #: The transport's ``staging_max_item``, read once: slices this large or larger are written as planned.
-        self.max_item: int | None = getattr(transport, "staging_max_item", None)
+        self.max_item: int | None = transport.tuning.staging_max_item
         self._lock = threading.Lock()
         self._buffer: NDArray[np.uint8] | None = None
         self._pool: ThreadPoolExecutor | None = None

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from kvwire import BackendConfig, Notification, TransferPlan, Transport
+from kvwire import BackendConfig, Notification, TransferPlan, Transport, TransportTuning
 from kvwire_mooncake.engine import MooncakeEngine
 from kvwire_mooncake.raw import raw_write
 
@@ -22,7 +22,7 @@ __all__ = ["MooncakeTransport"]
 class MooncakeTransport(Transport):
     """Registers and writes through one :class:`MooncakeEngine`; offers the raw extension."""
 
-    staged_writes = True  # ~25 µs per descriptor over TCP: head slices go through a staging buffer
+    tuning = TransportTuning(staged_writes=True)  # ~25 µs per descriptor over TCP: head slices are staged
 
     def __init__(self, config: BackendConfig, *, engine_factory: Callable[[], Any] | None = None) -> None:
         self.engine = MooncakeEngine(config, engine_factory=engine_factory)

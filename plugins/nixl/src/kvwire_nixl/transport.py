@@ -38,10 +38,10 @@ class _Peer:
 class NixlTransport(kvwire.Transport):
     """Registers, publishes and writes through one :class:`NixlAgent`; offers the raw extension."""
 
-    staged_writes = True  # head slices go through a staging buffer: one descriptor per destination run
-    # From 8 KiB a slice costs UCX little next to the gather's extra copy (head-major TP 1 -> 2, 16 KiB slices:
-    # 0.55-0.59 of same TP written as planned, 0.41-0.48 staged; 1 KiB token-major slices: 0.33 staged, 0.13 not)
-    staging_max_item = 8192
+    # Head slices go through a staging buffer: one descriptor per destination run. From 8 KiB a slice costs UCX
+    # little next to the gather's extra copy (head-major TP 1 -> 2, 16 KiB slices: 0.55-0.59 of same TP written
+    # as planned, 0.41-0.48 staged; 1 KiB token-major slices: 0.33 staged, 0.13 not)
+    tuning = kvwire.TransportTuning(staged_writes=True, staging_max_item=8192)
 
     def __init__(self, config: kvwire.BackendConfig) -> None:
         self.config = config

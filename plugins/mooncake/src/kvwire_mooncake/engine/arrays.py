@@ -14,7 +14,7 @@ from numpy.typing import NDArray
 
 from kvwire.errors import InvalidTransferError
 
-__all__ = ["INT64_MAX", "as_addresses", "require_positive"]
+__all__ = ["INT64_MAX", "as_addresses", "require_positive", "write_arrays"]
 
 INT64_MAX: Final = int(np.iinfo(np.int64).max)
 
@@ -38,3 +38,24 @@ def require_positive(arr: NDArray[np.int64], name: str) -> None:
     if bad.any():
         i = int(np.argmax(bad))
         raise InvalidTransferError(f"{name}[{i}] = {int(arr[i])} must be > 0")
+
+
+def write_arrays(
+    src: object, dst: object, length: object
+) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
+    """``src``, ``dst`` and ``length`` of one write: 1-D int64 arrays of one size, every value > 0 (when
+    not empty), no ``dst + length`` past int64; InvalidTransferError naming the argument otherwise."""
+    s, d, n = as_addresses(src, "src"), as_addresses(dst, "dst"), as_addresses(length, "length")
+    if not s.shape == d.shape == n.shape:
+        raise InvalidTransferError(
+            f"src, dst and length must have the same length, got {s.size}, {d.size} and {n.size}"
+        )
+    if s.size:
+        require_positive(s, "src")
+        require_positive(d, "dst")
+        require_positive(n, "length")
+        too_far = n > INT64_MAX - d
+        if too_far.any():
+            i = int(np.argmax(too_far))
+            raise InvalidTransferError(f"dst[{i}] + length[{i}] overflows int64")
+    return s, d, n

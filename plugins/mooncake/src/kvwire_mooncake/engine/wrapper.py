@@ -27,7 +27,7 @@ from kvwire.config import BackendConfig
 from kvwire.errors import InvalidTransferError, PeerUnreachableError, TransferError
 from kvwire.submit import BusyClock
 from kvwire_mooncake.engine import failures, notify
-from kvwire_mooncake.engine.arrays import INT64_MAX, as_addresses, require_positive
+from kvwire_mooncake.engine.arrays import as_addresses, write_arrays
 from kvwire_mooncake.engine.binding import (
     P2P_HANDSHAKE,
     TransferEngineLike,
@@ -333,20 +333,9 @@ class MooncakeEngine:
         """
         if not isinstance(session_id, str) or not session_id:
             raise InvalidTransferError(f"session_id must be a non-empty str, got {session_id!r}")
-        s, d, n = as_addresses(src, "src"), as_addresses(dst, "dst"), as_addresses(length, "length")
-        if not s.shape == d.shape == n.shape:
-            raise InvalidTransferError(
-                f"src, dst and length must have the same length, got {s.size}, {d.size} and {n.size}"
-            )
+        s, d, n = write_arrays(src, dst, length)
         if s.size == 0:
             return
-        require_positive(s, "src")
-        require_positive(d, "dst")
-        require_positive(n, "length")
-        too_far = n > INT64_MAX - d
-        if too_far.any():
-            i = int(np.argmax(too_far))
-            raise InvalidTransferError(f"dst[{i}] + length[{i}] overflows int64")
         self._check_open()
         self._regions.check(s, n)
 
