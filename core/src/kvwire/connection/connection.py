@@ -190,15 +190,10 @@ class Connection:
         layout here, for every backend (an adapted one never receives them).
         """
         self._check_open()
-        request = TransferRequest(
-            prefill_kv_indices=prefill_kv_indices,
-            dst_kv_ptrs=dst_kv_ptrs,
-            dst_kv_indices=dst_kv_indices,
-            dst_layer_ids=dst_layer_ids,
-            dst_device_kv_indices=dst_device_kv_indices,
-            dst_kv_item_len=dst_kv_item_len,
-            dst_attn_tp_size=dst_attn_tp_size,
-        )
+        request = TransferRequest(  # spec order (its fields are checked against it at import)
+            prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, dst_layer_ids, dst_device_kv_indices, dst_kv_item_len,
+            dst_attn_tp_size,
+        )  # fmt: skip
         self._admit(session_id, request)
         if self._direct:
             plan = self._plan(session_id, request, "send_kvcache")
@@ -236,15 +231,10 @@ class Connection:
         the peer after this transfer's bytes, and only if it succeeded.
         """
         self._check_open()
-        request = TransferRequest(
-            prefill_kv_indices=prefill_kv_indices,
-            dst_kv_ptrs=dst_kv_ptrs,
-            dst_kv_indices=dst_kv_indices,
-            dst_layer_ids=dst_layer_ids,
-            dst_device_kv_indices=dst_device_kv_indices,
-            dst_kv_item_len=dst_kv_item_len,
-            dst_attn_tp_size=dst_attn_tp_size,
-        )
+        request = TransferRequest(  # spec order (its fields are checked against it at import)
+            prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, dst_layer_ids, dst_device_kv_indices, dst_kv_item_len,
+            dst_attn_tp_size,
+        )  # fmt: skip
         if notification is not None:
             notification = check_message(notification)
         arguments = {"session_id": session_id, "request": request, "notification": notification}

@@ -240,18 +240,23 @@ def _disjoint_requests(rng: np.random.Generator, count: int, per: int) -> list[t
     return [(fragmented_pages(rng, 96, per), np.sort(dst[k * per : (k + 1) * per])) for k in range(count)]
 
 
-def test_contract_submit_many_in_flight(kvwire_harness: ContractHarness) -> None:
-    """Twelve submissions from three threads, all in flight together: each returns its bytes, all bytes land."""
-    rng = np.random.default_rng(7)
-    requests = _disjoint_requests(rng, 12, 6)
-    with kvwire_harness.pair(*SUBMIT_SHAPE, 7) as pair:
-        with ThreadPoolExecutor(3) as callers:
-            futures = list(callers.map(lambda r: pair.submit(*r), requests))
-        per_request = 6 * 2048 * 4
-        assert [f.result(timeout=60) for f in futures] == [per_request] * len(requests)
+def _many_from_threads(harness: ContractHarness, seed: int, threads: int, *, submit: bool) -> None:
+    """Twelve requests with disjoint destinations from ``threads`` threads at once: each moves its bytes, all land."""
+    requests = _disjoint_requests(np.random.default_rng(seed), 12, 6)
+    with harness.pair(*SUBMIT_SHAPE, seed) as pair:
+        call: Callable[[tuple[Any, Any]], Any] = (lambda r: pair.submit(*r)) if submit else (lambda r: pair.send(*r))
+        with ThreadPoolExecutor(threads) as callers:
+            results = list(callers.map(call, requests))
+        moved = [f.result(timeout=60) for f in results] if submit else results
+        assert moved == [6 * 2048 * 4] * len(requests)
         prefill = np.concatenate([p for p, _ in requests])
         dst = np.concatenate([d for _, d in requests])
         assert pair.receiver.hashes() == pair.expected_hashes(prefill, dst)
+
+
+def test_contract_submit_many_in_flight(kvwire_harness: ContractHarness) -> None:
+    """Twelve submissions from three threads, all in flight together: each returns its bytes, all bytes land."""
+    _many_from_threads(kvwire_harness, 7, 3, submit=True)
 
 
 @pytest.mark.parametrize("case", ["src-page-out-of-range", "dst-page-out-of-range", "ptr-value", "float-indices"])
@@ -318,15 +323,7 @@ DEAD_PEER_TIMEOUT_S = 3.0
 
 def test_contract_sends_from_many_threads(kvwire_harness: ContractHarness) -> None:
     """Rule 1: blocking sends run concurrently, from four threads to one peer; every byte lands."""
-    rng = np.random.default_rng(10)
-    requests = _disjoint_requests(rng, 12, 6)
-    with kvwire_harness.pair(*SUBMIT_SHAPE, 10) as pair:
-        with ThreadPoolExecutor(4) as callers:
-            moved = list(callers.map(lambda r: pair.send(*r), requests))
-        assert moved == [6 * 2048 * 4] * len(requests)
-        prefill = np.concatenate([p for p, _ in requests])
-        dst = np.concatenate([d for _, d in requests])
-        assert pair.receiver.hashes() == pair.expected_hashes(prefill, dst)
+    _many_from_threads(kvwire_harness, 10, 4, submit=False)
 
 
 def test_contract_close_while_submissions_are_in_flight(kvwire_harness: ContractHarness) -> None:
