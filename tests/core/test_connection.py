@@ -208,15 +208,16 @@ def test_connection_arguments_are_checked(registry: kvwire.Registry) -> None:
     assert conn.backend.calls == []
 
 
-def test_raw_write_needs_the_capability(registry: kvwire.Registry) -> None:
+def test_raw_write_needs_a_transport_backend_whose_transport_offers_it(registry: kvwire.Registry) -> None:
     registry.register("recorder", Recorder)
     conn = registry.connect("recorder")
     with pytest.raises(kvwire.UnsupportedFeatureError) as exc:
         conn.raw_write("p", kvwire.TransferPlan.empty())
     assert str(exc.value) == (
-        f"backend 'recorder' (spec {kvwire.SPEC_VERSION}) does not support 'raw_write', needed for raw_write; "
-        "nothing was sent"
+        "backend 'recorder' offers no raw_write: it takes a kvwire.TransportBackend whose transport implements "
+        "kvwire.RawWriter (raw_write(session_id, plan))"
     )
+    assert conn.backend.calls == []
 
 
 def test_remove_peer_reaches_the_backend_and_forgets_the_layout(registry: kvwire.Registry) -> None:

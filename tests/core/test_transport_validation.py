@@ -125,7 +125,7 @@ def test_an_endpoint_that_is_not_a_property_is_drift() -> None:
 
 @pytest.mark.parametrize(
     ("feature", "methods"),
-    [("submit", ["submit"]), ("notifications", ["notify", "poll_notifications"]), ("raw_write", ["raw_write"])],
+    [("submit", ["submit"]), ("notifications", ["notify", "poll_notifications"])],
 )
 def test_a_declared_capability_without_its_transport_method_is_drift_with_the_fix(
     feature: str, methods: list[str]
@@ -153,7 +153,7 @@ def test_declared_capabilities_with_their_methods_are_ok_and_their_signatures_ch
 
         def raw_write(self, session_id: str, plan: TransferPlan) -> None: ...
 
-    every = CAPS | {"submit", "notifications", "raw_write"}
+    every = CAPS | {"submit", "notifications"}
     assert kvwire.validate_backend(backend_of(Full, every), ORIGIN).status == "ok"
 
     class LateNotify(Full):

@@ -176,10 +176,18 @@ def test_capability_findings_show_both_sides() -> None:
     assert finding.impl_signature == "capabilities = {device_kv_indices, layer_ids}"
 
 
-def test_raw_write_capability_needs_the_method() -> None:
+def test_raw_write_is_a_retired_capability_accepted_and_dropped() -> None:
+    """raw_write is a bench seam now, not a capability: a backend that still declares it loads, without it."""
+    from kvwire.spec.capabilities import RETIRED_FEATURES
+
     cls = type("Raw", (Recorder,), {"capabilities": frozenset({"mha", "raw_write"})})
-    (finding,) = kvwire.validate_backend(cls, ORIGIN).findings
-    assert (finding.rule, finding.message) == ("missing-method", "declares 'raw_write' but has no `raw_write` method")
+    result = kvwire.validate_backend(cls, ORIGIN)
+    assert (result.status, result.findings) == ("ok", ())
+    assert result.capabilities == frozenset({"mha"})
+    assert "raw_write" not in kvwire.FEATURES and "kvwire.RawWriter" in RETIRED_FEATURES["raw_write"]
+    typo = type("Typo", (Recorder,), {"capabilities": frozenset({"mha", "raw_writes"})})
+    (finding,) = kvwire.validate_backend(typo, ORIGIN).findings  # a name that never was a feature: drift
+    assert finding.message == "unknown feature 'raw_writes'"
 
 
 def test_a_base_written_for_the_current_spec_serves_a_backend_declaring_an_older_one() -> None:

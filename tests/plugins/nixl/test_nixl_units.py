@@ -232,7 +232,7 @@ def test_check_reports_ok_and_unavailable_when_nixl_is_missing(tmp_path: Path) -
     (entry,) = [e for e in json.loads(proc.stdout) if e["name"] == "nixl"]
     assert (entry["name"], entry["status"], entry["distribution"]) == ("nixl", "ok", "kvwire-nixl")
     assert entry["runtime"].startswith("unavailable: NIXL is not installed"), entry["runtime"]
-    assert {"interprocess", "raw_write", "mha", "mla", "host_memory", "layer_ids"} <= set(entry["capabilities"])
+    assert {"interprocess", "mha", "mla", "host_memory", "layer_ids"} <= set(entry["capabilities"])
 
 
 def test_a_missing_ucx_plugin_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:

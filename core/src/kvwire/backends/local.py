@@ -98,7 +98,7 @@ class LocalBackend(TransportBackend):
     """In-process transfers; every send feature supported."""
 
     spec_version = "1.5"
-    capabilities = TransportBackend.planned | {"notifications", "raw_write", "device_kv_indices"}
+    capabilities = TransportBackend.planned | {"notifications", "device_kv_indices"}
     capabilities |= {"host_memory", "device_memory"}
 
     def open_transport(self, config: BackendConfig) -> LocalTransport:

@@ -4,7 +4,7 @@ Each request takes random fragmented pages (mean run ``--mean-run``) on both
 sides, is sent through the chosen backend, timed, and verified on the decode
 side (the target pages by digest, and their guard pages unchanged).
 ``--compare-raw`` sends the identical descriptors through the backend's raw
-engine call (the ``raw_write`` extension) in the same run;
+engine call (the ``raw_write`` bench seam) in the same run;
 ``--compare-uncoalesced`` sends one descriptor per page through it. Before
 every mode the decode side scrambles the target pages, so every mode is timed
 on the same memory state and only kvwire's own write can pass verification.
@@ -44,6 +44,7 @@ from kvwire.layout.peer import PeerDescription
 from kvwire.planning.planner import plan_transfer
 from kvwire.registry.manager import connect, default_registry
 from kvwire.settings.sources import option_value
+from kvwire.transport.backend import offers_raw_write
 from kvwire.workload.fragment import place, run_lengths
 from kvwire.workload.memory import allocate
 
@@ -191,9 +192,10 @@ def _check_arguments(args: argparse.Namespace) -> None:
         for flag, on in (("--compare-raw", args.compare_raw), ("--compare-uncoalesced", args.compare_uncoalesced))
         if on
     ]
-    if wanted and "raw_write" not in info.capabilities:
+    if wanted and not (info.cls is not None and offers_raw_write(info.cls)):
         raise ConfigError(
-            f"{' and '.join(wanted)}: backend {args.backend!r} offers no raw engine call (capability 'raw_write')"
+            f"{' and '.join(wanted)}: backend {args.backend!r} offers no raw engine call (a kvwire.TransportBackend "
+            "whose transport implements kvwire.RawWriter)"
         )
     check_inflight(args, info.capabilities)
     if args.inflight_requests is not None and uses_tp(args):

@@ -33,7 +33,7 @@ from numpy.typing import NDArray
 from kvwire.config import BackendConfig
 from kvwire.connection.deadline import CALL_GRACE_S, CallThreads, StuckCall
 from kvwire.connection.guards import as_backend_error, backend_errors, check_middleware
-from kvwire.errors import BackendError, ConfigError, InvalidTransferError, KvwireError
+from kvwire.errors import BackendError, ConfigError, InvalidTransferError, KvwireError, UnsupportedFeatureError
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.layout.peer_table import PeerTable, check_session_id
 from kvwire.planning.gate import Gate
@@ -46,7 +46,7 @@ from kvwire.spec.request import TransferRequest
 from kvwire.submit.futures import TransferFuture, follow
 from kvwire.submit.notifications import Notification, check_message
 from kvwire.submit.pool import Submissions
-from kvwire.transport.backend import TransportBackend
+from kvwire.transport.backend import TransportBackend, offers_raw_write
 
 __all__ = ["Connection"]
 
@@ -387,13 +387,18 @@ class Connection:
         return "degraded" if self.stuck_calls else "open"
 
     def raw_write(self, session_id: str, plan: TransferPlan) -> None:
-        """The backend's bare engine call on ``plan`` (capability ``raw_write``), for benchmarks.
+        """The backend's bare engine call on ``plan``, for benchmarks (a bench seam, not a capability).
 
+        Offered by a :class:`kvwire.TransportBackend` whose transport implements :class:`kvwire.RawWriter`.
         No checks beyond the engine's own: ``plan`` must come from
         :func:`kvwire.plan_transfer` between the registered layout and this peer's.
         """
         self._check_open()
-        self._gate.require({"raw_write"}, "raw_write")
+        if not offers_raw_write(type(self.backend)):
+            raise UnsupportedFeatureError(
+                f"backend {self.name!r} offers no raw_write: it takes a kvwire.TransportBackend whose transport "
+                "implements kvwire.RawWriter (raw_write(session_id, plan))"
+            )
         if not isinstance(plan, TransferPlan):
             raise ConfigError(f"plan must be a kvwire.TransferPlan, got {type(plan).__name__}")
         self._call_with(self.backend.raw_write, "raw_write", session_id=session_id, plan=plan)

@@ -28,7 +28,7 @@ from kvwire.registry.signatures import (
     with_self,
 )
 from kvwire.registry.transport_check import check_transport
-from kvwire.spec.capabilities import CAPABILITY_REQUIREMENTS, FEATURES
+from kvwire.spec.capabilities import CAPABILITY_REQUIREMENTS, FEATURES, RETIRED_FEATURES
 from kvwire.spec.history import CURRENT, HOOK_FEATURES, PARAMETER_FEATURES, SpecVersion, known_versions
 from kvwire.spec.hooks import SpecHook, features_at, spec_hooks
 from kvwire.spec.pluggy_project import IMPL_ATTR
@@ -216,7 +216,7 @@ def _declared_capabilities(cls: type, version: SpecVersion) -> tuple[frozenset[s
     issues: list[Issue] = []
     spec_side = f"capabilities <= {{{', '.join(sorted(FEATURES))}}}"
     impl_side = f"capabilities = {{{', '.join(sorted(declared))}}}"
-    for name in sorted(declared - set(FEATURES)):
+    for name in sorted(declared - set(FEATURES) - set(RETIRED_FEATURES)):
         close = difflib.get_close_matches(name, list(FEATURES), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         issues.append(
@@ -243,19 +243,6 @@ def _declared_capabilities(cls: type, version: SpecVersion) -> tuple[frozenset[s
                         f"declares {name!r} but does not implement its hook `{hook}`",
                         f"add `@kvwire.hookimpl def {with_self(signature)}`, or drop {name!r}",
                         signature,
-                        "<absent>",
-                    )
-                )
-        for method in requirement.methods:
-            if not callable(getattr(cls, method, None)):
-                issues.append(
-                    Issue(
-                        method,
-                        "missing-method",
-                        f"declares {name!r} but has no `{method}` method",
-                        "subclass kvwire.TransportBackend with a transport that implements kvwire.RawWriter, "
-                        f"or drop {name!r}",
-                        "raw_write(self, session_id: str, plan: TransferPlan) -> None",
                         "<absent>",
                     )
                 )

@@ -22,6 +22,7 @@ __all__ = [
     "FEATURE_DISTRIBUTIONS",
     "MEMORY_FEATURES",
     "PARAMETER_FEATURES",
+    "RETIRED_FEATURES",
     "Requirement",
     "parameters_for",
     "refuse_lacking",
@@ -35,8 +36,16 @@ _OTHER_FEATURES: Mapping[str, str] = {
     "device_memory": "sends from / receives into accelerator memory buffers",
     "interprocess": "reaches peers in other processes and on other hosts",
     "head_slicing": "sends head slices per token: prefill and decode with different attention TP sizes",
-    "raw_write": "offers Connection.raw_write: the bare engine call on a plan (benchmarks compare against it)",
 }
+
+#: Names that were features and are not any more: a backend may still declare them (nothing is checked or
+#: promised); what each became.
+RETIRED_FEATURES: Mapping[str, str] = MappingProxyType(
+    {
+        "raw_write": "a bench seam, not a capability: Connection.raw_write works for a kvwire.TransportBackend "
+        "whose transport implements kvwire.RawWriter (raw_write(session_id, plan))",
+    }
+)
 
 
 def _hook_features() -> dict[str, str]:
@@ -74,13 +83,11 @@ class Requirement:
 
     ``hooks``: hooks of a backend written against the hook spec; ``transport``:
     methods of the :class:`kvwire.Transport` of a :class:`kvwire.TransportBackend`
-    (whose hooks the base already implements); ``methods``: methods of the backend
-    class itself that are not hooks.
+    (whose hooks the base already implements).
     """
 
     hooks: tuple[str, ...] = ()
     transport: tuple[str, ...] = ()
-    methods: tuple[str, ...] = ()
 
 
 def _requirements() -> dict[str, Requirement]:
@@ -89,7 +96,6 @@ def _requirements() -> dict[str, Requirement]:
         for h in release.optional_hooks:
             known = table.get(h.feature, Requirement())
             table[h.feature] = Requirement((*known.hooks, h.name), (*known.transport, h.transport))
-    table["raw_write"] = Requirement(transport=("raw_write",), methods=("raw_write",))
     return table
 
 

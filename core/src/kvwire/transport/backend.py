@@ -22,7 +22,7 @@ from abc import abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future
 from contextlib import suppress
-from typing import ClassVar
+from typing import ClassVar, get_type_hints
 
 from kvwire.config import BackendConfig
 from kvwire.errors import BackendError, InvalidTransferError, KvwireError, UnsupportedFeatureError
@@ -39,7 +39,7 @@ from kvwire.transport import telemetry
 from kvwire.transport.interface import RawWriter, Transport
 from kvwire.transport.staging import Staging, gather_of
 
-__all__ = ["TransportBackend"]
+__all__ = ["TransportBackend", "offers_raw_write"]
 
 
 class TransportBackend(SendAdapter):
@@ -241,3 +241,15 @@ class TransportBackend(SendAdapter):
                 first = first or exc
         if first is not None:
             raise first
+
+
+def offers_raw_write(cls: type) -> bool:
+    """Whether backend class ``cls`` offers the bare engine call: a TransportBackend whose transport (as
+    ``open_transport``'s return annotation names it) implements :class:`kvwire.RawWriter`."""
+    if not (isinstance(cls, type) and issubclass(cls, TransportBackend)):
+        return False
+    try:
+        returned = get_type_hints(cls.open_transport).get("return")
+    except Exception:
+        return False
+    return isinstance(returned, type) and callable(getattr(returned, "raw_write", None))

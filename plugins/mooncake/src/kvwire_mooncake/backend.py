@@ -32,7 +32,7 @@ class MooncakeBackend(TransportBackend):
     """Moves KV pages with Mooncake's ``batch_transfer_sync_write``."""
 
     spec_version = "1.5"
-    capabilities = TransportBackend.planned | {"submit", "notifications", "raw_write", "interprocess"}
+    capabilities = TransportBackend.planned | {"submit", "notifications", "interprocess"}
     capabilities |= {"host_memory", "device_memory"}
 
     @classmethod

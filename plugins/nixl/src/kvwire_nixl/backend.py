@@ -19,7 +19,7 @@ class NixlBackend(kvwire.TransportBackend):
     """Moves KV pages with NIXL WRITE transfers (one agent per instance, descriptor tables as arrays)."""
 
     spec_version = "1.5"
-    capabilities = kvwire.TransportBackend.planned | {"submit", "notifications", "raw_write", "interprocess"}
+    capabilities = kvwire.TransportBackend.planned | {"submit", "notifications", "interprocess"}
     capabilities |= {"host_memory", "device_memory", "device_kv_indices"}  # and split (HiSparse) destinations
 
     @classmethod
