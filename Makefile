@@ -63,8 +63,8 @@ demo: setup
 # The API reference, generated from the docstrings (pdoc), into build/api/ (open build/api/index.html).
 # Every warning is an error: a docstring pdoc cannot render fails the build.
 DOC_MODULES := kvwire kvwire.submit kvwire.transport kvwire.planning kvwire.layout kvwire.landing kvwire.spec kvwire.metrics \
-	kvwire.testing kvwire.lint kvwire.compat.sglang \
-	kvwire.compat.vllm.layout kvwire.compat.vllm.settings kvwire.compat.vllm.params kvwire.compat.vllm.registration
+	kvwire.testing kvwire.lint kvwire_sglang \
+	kvwire.hosts.vllm.layout kvwire.hosts.vllm.settings kvwire.hosts.vllm.params kvwire.hosts.vllm.registration
 docs: setup
 	rm -rf build/api
 	$(PY) -W error -m pdoc --docformat restructuredtext $(DOC_MODULES) -o build/api

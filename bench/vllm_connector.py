@@ -24,7 +24,7 @@ The table gives, per connector, the median and the spread (p10, p90, min, max) o
 ratios against vLLM's ``NixlConnector``: median over median, and the median of the per-round ratios (each round
 pairs a request with vLLM's on the same blocks, moments apart).
 
-Connectors: ``kvwire-nixl`` (``kvwire.compat.vllm.KvwireConnector`` over kvwire-nixl; the prefill writes),
+Connectors: ``kvwire-nixl`` (``kvwire.hosts.vllm.KvwireConnector`` over kvwire-nixl; the prefill writes),
 ``kvwire-nixl-1stream`` (kvwire-nixl's option ``streams = 1``), ``kvwire-mooncake``, and ``vllm-nixl``
 (vLLM's ``NixlConnector``; the decode reads), on the same config and blocks.
 """
@@ -52,14 +52,14 @@ sys.path[:0] = [str(ROOT / "tests" / "hosts" / "vllm"), str(SOURCES[0])]
 from pd_pair import NodeProcess, node_env  # noqa: E402
 
 CONNECTORS: dict[str, dict[str, Any]] = {
-    "kvwire-nixl": {"connector": "KvwireConnector", "module": "kvwire.compat.vllm", "backend": "nixl"},
+    "kvwire-nixl": {"connector": "KvwireConnector", "module": "kvwire.hosts.vllm", "backend": "nixl"},
     "kvwire-nixl-1stream": {
         "connector": "KvwireConnector",
-        "module": "kvwire.compat.vllm",
+        "module": "kvwire.hosts.vllm",
         "backend": "nixl",
         "options": {"streams": 1},
     },
-    "kvwire-mooncake": {"connector": "KvwireConnector", "module": "kvwire.compat.vllm", "backend": "mooncake"},
+    "kvwire-mooncake": {"connector": "KvwireConnector", "module": "kvwire.hosts.vllm", "backend": "mooncake"},
     "vllm-nixl": {"connector": "NixlConnector", "module": None, "backend": None},
 }
 BASELINE = "vllm-nixl"

@@ -18,8 +18,8 @@ from numpy.typing import NDArray
 from submit_scenarios import _outcome
 
 import kvwire
-from kvwire.compat.sglang import SglangSender
 from kvwire.testing.receiver import LayoutSpec
+from kvwire_sglang import SglangSender
 
 SPEC = LayoutSpec("mha", (0, 1), 32, 1024)
 
@@ -341,8 +341,8 @@ def test_lint_checks_a_class_nested_in_a_class_body(tmp_path: Path) -> None:
 
 
 def test_a_receiver_that_never_polls_keeps_at_most_the_limit_oldest_dropped_and_counted(pair: Pair) -> None:
-    """Defect 6: unpolled notifications grew without bound; every transport now keeps them in kvwire.submit.Inbox."""
-    from kvwire.submit import MAX_UNPOLLED_NOTIFICATIONS
+    """Defect 6: unpolled notifications grew without bound; every transport now keeps them in kvwire.transport.Inbox."""
+    from kvwire.transport import MAX_UNPOLLED_NOTIFICATIONS
 
     sender, receiver, endpoint = pair
     flood = MAX_UNPOLLED_NOTIFICATIONS + 1000
@@ -356,7 +356,7 @@ def test_a_receiver_that_never_polls_keeps_at_most_the_limit_oldest_dropped_and_
 
 
 def test_the_inbox_keeps_the_newest_and_counts_what_it_dropped() -> None:
-    from kvwire.submit import Inbox
+    from kvwire.transport import Inbox
 
     inbox: Inbox[int] = Inbox(limit=3)
     inbox.extend(range(5))
@@ -494,7 +494,7 @@ def test_what_the_inbox_dropped_is_counted_in_metrics_and_logged(caplog: pytest.
     """Deliverable 2: the drops of every backend's bounded inbox reach kvwire_notifications_dropped_total."""
     prometheus_client = pytest.importorskip("prometheus_client")
     from kvwire.metrics import Metrics
-    from kvwire.submit import MAX_UNPOLLED_NOTIFICATIONS
+    from kvwire.transport import MAX_UNPOLLED_NOTIFICATIONS
 
     registry = prometheus_client.CollectorRegistry()
     metrics = Metrics(registry)
@@ -519,7 +519,7 @@ def test_what_the_inbox_dropped_is_counted_in_metrics_and_logged(caplog: pytest.
 def test_a_mooncake_receiver_that_never_polls_is_drained_into_the_bounded_inbox() -> None:
     """Defect 6 on Mooncake: the C++ engine kept every unpolled notification; kvwire now drains it into an Inbox."""
     pytest.importorskip("mooncake")
-    from kvwire.submit import Inbox
+    from kvwire.transport import Inbox
     from kvwire_mooncake.engine import MooncakeEngine
 
     with MooncakeEngine(kvwire.BackendConfig(host="127.0.0.1")) as tx, MooncakeEngine(

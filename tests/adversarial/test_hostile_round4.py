@@ -20,9 +20,9 @@ import pytest
 from ports import free_port_run
 
 from kvwire import BackendConfig, ConfigError
-from kvwire.compat.vllm import channel
-from kvwire.compat.vllm.channel import RegistrationClient, RegistrationServer
 from kvwire.control import PeerConnection
+from kvwire.hosts.vllm import channel
+from kvwire.hosts.vllm.channel import RegistrationClient, RegistrationServer
 
 # -- row 10: configuration sources ---------------------------------------------------------------------------
 
@@ -168,8 +168,8 @@ PARAMS_BAD = [
 )
 def test_row12_kv_transfer_params_are_bounded_at_parse(change: dict[str, object], message: str) -> None:
     """Before: port 70000, 2**70, a 10 MB id, kvwire 1.0, tp_size 4096 were all accepted at parse."""
-    from kvwire.compat.vllm import parse_remote_prefill, prefill_params
     from kvwire.errors import InvalidTransferError
+    from kvwire.hosts.vllm import parse_remote_prefill, prefill_params
 
     params = prefill_params("p0", "engine-p", "127.0.0.1", 5710, [1, 2], 1, 40)
     with pytest.raises(InvalidTransferError) as exc:
@@ -186,9 +186,9 @@ def test_row5_a_prefill_tp_size_past_the_bound_is_refused_at_get_num_new_matched
     2**40 raised MemoryError there."""
     from types import SimpleNamespace
 
-    from kvwire.compat.vllm import ConnectorSettings, prefill_params
-    from kvwire.compat.vllm.scheduler import SchedulerSide
-    from kvwire.compat.vllm.settings import EngineSide
+    from kvwire.hosts.vllm import ConnectorSettings, prefill_params
+    from kvwire.hosts.vllm.scheduler import SchedulerSide
+    from kvwire.hosts.vllm.settings import EngineSide
 
     settings = ConnectorSettings.from_extra_config({"backend": "local"})
     sched = SchedulerSide(EngineSide(settings, 1, producer=False, consumer=True, total_kv_heads=8), "engine-d")
@@ -328,7 +328,7 @@ def test_row4_a_decode_reconnects_when_the_prefill_closed_its_idle_connection() 
 CHILD = """
 import logging, resource, sys
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
-from kvwire.compat.vllm.channel import RegistrationServer
+from kvwire.hosts.vllm.channel import RegistrationServer
 server = RegistrationServer("127.0.0.1", 0, lambda m: {"echo": m.get("n")}, None, 5.0)
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 print(server.address, flush=True)
@@ -409,9 +409,9 @@ def _sender(submit: Callable[..., Any] | None = None) -> Any:
     from concurrent.futures import Future
     from types import SimpleNamespace
 
-    from kvwire.compat.vllm import layout_from_kv_caches
-    from kvwire.compat.vllm.rank import WorkerRank
-    from kvwire.compat.vllm.sending import Sender
+    from kvwire.hosts.vllm import layout_from_kv_caches
+    from kvwire.hosts.vllm.rank import WorkerRank
+    from kvwire.hosts.vllm.sending import Sender
 
     def written(*_: object, **__: object) -> Future[int]:
         done: Future[int] = Future()
@@ -427,8 +427,8 @@ def _sender(submit: Callable[..., Any] | None = None) -> Any:
 
 def _registration(prefill: str = "p0", decode: str = "d0", **change: Any) -> dict[str, Any]:
     from kvwire import PeerDescription
-    from kvwire.compat.vllm import layout_from_kv_caches
-    from kvwire.compat.vllm.registration import Registration
+    from kvwire.hosts.vllm import layout_from_kv_caches
+    from kvwire.hosts.vllm.registration import Registration
 
     peer = PeerDescription("ep", layout_from_kv_caches(vllm_kv_caches()).layout)
     return {**Registration(prefill, decode, (1, 2), (3, 4), LAYERS, 0, 1, 30.0, peer).to_dict(), **change}
@@ -458,7 +458,7 @@ def test_row2_a_lone_surrogate_is_refused_at_parse(change: dict[str, Any], messa
 
 
 def _ready(request_id: str) -> Any:
-    from kvwire.compat.vllm.metadata import ReadyToSend
+    from kvwire.hosts.vllm.metadata import ReadyToSend
 
     return ReadyToSend(request_id, (1, 2))
 
@@ -480,11 +480,11 @@ def test_row2_a_write_that_raises_anything_is_that_requests_failure_only() -> No
 def test_row2_worker_start_fails_only_the_request_whose_work_raised(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before: an exception from one request's work left WorkerSide.start, and the step's other requests were
     never marked ready or registered."""
-    from kvwire.compat.vllm import ConnectorSettings
-    from kvwire.compat.vllm.metadata import StepMetadata, ToReceive
-    from kvwire.compat.vllm.params import RemotePrefill
-    from kvwire.compat.vllm.settings import EngineSide
-    from kvwire.compat.vllm.worker import WorkerSide
+    from kvwire.hosts.vllm import ConnectorSettings
+    from kvwire.hosts.vllm.metadata import StepMetadata, ToReceive
+    from kvwire.hosts.vllm.params import RemotePrefill
+    from kvwire.hosts.vllm.settings import EngineSide
+    from kvwire.hosts.vllm.worker import WorkerSide
 
     settings = ConnectorSettings.from_extra_config({"backend": "local", "side_channel_port": free_port()})
     both = WorkerSide(EngineSide(settings, 1, producer=True, consumer=True), 0)
@@ -543,7 +543,7 @@ def _clocked_sender() -> tuple[Any, Clock]:
 
 def test_row3_waiting_registrations_are_bounded_in_count_and_age() -> None:
     """Before: each kept until valid_for_s (1e300: forever), no count bound."""
-    from kvwire.compat.vllm.sending import MAX_WAITING
+    from kvwire.hosts.vllm.sending import MAX_WAITING
 
     sender, clock = _clocked_sender()
     base = _registration(valid_for_s=1e300)
@@ -748,9 +748,9 @@ def test_row13_the_vllm_connector_keeps_the_kv_tensors_it_registers() -> None:
     import gc
     import weakref
 
-    from kvwire.compat.vllm import ConnectorSettings
-    from kvwire.compat.vllm.settings import EngineSide
-    from kvwire.compat.vllm.worker import WorkerSide
+    from kvwire.hosts.vllm import ConnectorSettings
+    from kvwire.hosts.vllm.settings import EngineSide
+    from kvwire.hosts.vllm.worker import WorkerSide
 
     settings = ConnectorSettings.from_extra_config({"backend": "local"})
     work = WorkerSide(EngineSide(settings, 1, producer=False, consumer=False), 0)
@@ -774,13 +774,13 @@ def test_an_arrival_or_failure_notice_from_a_peer_the_decode_did_not_register_wi
     import numpy as np
 
     import kvwire
-    from kvwire.compat.vllm import ConnectorSettings, prefill_params
-    from kvwire.compat.vllm.metadata import StepMetadata, ToReceive
-    from kvwire.compat.vllm.notices import failure_notice_for
-    from kvwire.compat.vllm.params import parse_remote_prefill
-    from kvwire.compat.vllm.registration import notification_for
-    from kvwire.compat.vllm.settings import EngineSide
-    from kvwire.compat.vllm.worker import WorkerSide
+    from kvwire.hosts.vllm import ConnectorSettings, prefill_params
+    from kvwire.hosts.vllm.metadata import StepMetadata, ToReceive
+    from kvwire.hosts.vllm.notices import failure_notice_for
+    from kvwire.hosts.vllm.params import parse_remote_prefill
+    from kvwire.hosts.vllm.registration import notification_for
+    from kvwire.hosts.vllm.settings import EngineSide
+    from kvwire.hosts.vllm.worker import WorkerSide
 
     settings = ConnectorSettings.from_extra_config({"backend": "local", "side_channel_port": free_port()})
     p_work = WorkerSide(EngineSide(settings, 1, producer=True, consumer=False), 0)

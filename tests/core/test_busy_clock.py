@@ -1,4 +1,4 @@
-"""``kvwire.submit.BusyClock``: per-worker busy seconds, overlaps counted once, bounded; the bench's fractions."""
+"""``kvwire.transport.BusyClock``: per-worker busy seconds, overlaps counted once, bounded; the bench's fractions."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from kvwire.submit import BusyClock
-from kvwire.submit.busy import busy_fractions
+from kvwire.transport import BusyClock
+from kvwire.transport.busy import busy_fractions
 
 
 class _Ticks:

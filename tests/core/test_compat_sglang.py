@@ -1,4 +1,4 @@
-"""kvwire.compat.sglang: sglang's send_kvcache call shape through a kvwire Connection."""
+"""kvwire_sglang: sglang's send_kvcache call shape through a kvwire Connection."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import pytest
 
 import kvwire
 from kvwire import KVBuffer, KVLayout, LayoutError
-from kvwire.compat.sglang import (
+from kvwire_sglang import (
     KvwireManagerMixin,
     SglangSender,
     layer_ids_from_sglang,
     layout_from_kv_args,
     status_of,
 )
-from kvwire.compat.sglang.manager import heads_of_kv_args
+from kvwire_sglang.manager import heads_of_kv_args
 
 Pair = tuple[SglangSender, kvwire.Connection, np.ndarray, np.ndarray]
 
@@ -93,7 +93,7 @@ def test_a_refused_send_returns_a_status_logs_it_and_moves_nothing(
     before = dst.copy()
     ptrs = [int(dst[0].ctypes.data), int(dst[1].ctypes.data)]
     idx = np.array([1], np.int32)
-    with caplog.at_level(logging.ERROR, logger="kvwire.compat.sglang"):
+    with caplog.at_level(logging.ERROR, logger="kvwire.sglang"):
         ret = adapter.send_kvcache(receiver.endpoint(), idx, ptrs, idx, None, **kwargs)  # type: ignore[arg-type]
     assert ret == status
     (record,) = caplog.records
@@ -310,7 +310,7 @@ def test_send_kvcache_slice_to_a_rank_the_decode_did_not_publish_is_refused(capl
     peer = _tp_layout(dst, 1, 2, 1)
     receiver.register_kv_buffers(peer)
     sender.add_peer(receiver.endpoint(), peer)
-    with caplog.at_level(logging.ERROR, logger="kvwire.compat.sglang"):
+    with caplog.at_level(logging.ERROR, logger="kvwire.sglang"):
         ret = _Manager(sender).send_kvcache_slice(
             receiver.endpoint(),
             np.array([1], np.int32),
@@ -323,7 +323,7 @@ def test_send_kvcache_slice_to_a_rank_the_decode_did_not_publish_is_refused(capl
         )
     assert ret == -22
     assert "dst_tp_rank = 0, but the decode published attention-TP rank 1" in caplog.text
-    with caplog.at_level(logging.ERROR, logger="kvwire.compat.sglang"):  # sglang's view of the decode's TP size
+    with caplog.at_level(logging.ERROR, logger="kvwire.sglang"):  # sglang's view of the decode's TP size
         ret = _Manager(sender).send_kvcache_slice(
             receiver.endpoint(),
             np.array([1], np.int32),
@@ -369,14 +369,14 @@ def test_a_refused_send_leaves_the_session_out_of_sglangs_blacklist_and_a_failed
     """sglang adds the session to failed_sessions after any non-zero status; kvwire's set keeps a refusal out."""
     import threading
 
-    from kvwire.compat.sglang.send import FailedSessions
+    from kvwire_sglang.send import FailedSessions
 
     adapter, receiver, _, dst = pair
     session, ptrs = receiver.endpoint(), [int(dst[0].ctypes.data), int(dst[1].ctypes.data)]
     blacklist = FailedSessions()
     bad = np.array([40], np.int32)  # past the decode's 32 pages: refused before any byte moves
     assert adapter.send_kvcache(session, bad[:1] * 0, ptrs, bad, None) == -22  # type: ignore[arg-type]
-    with caplog.at_level(logging.WARNING, logger="kvwire.compat.sglang"):
+    with caplog.at_level(logging.WARNING, logger="kvwire.sglang"):
         blacklist.add(session)  # what sglang's transfer_worker does next, on the same thread
     assert session not in blacklist
     assert caplog.records[-1].getMessage() == (
@@ -401,7 +401,7 @@ def test_a_refused_send_leaves_the_session_out_of_sglangs_blacklist_and_a_failed
 
 
 def test_the_manager_keeps_sglangs_failed_sessions_as_a_refusal_aware_set() -> None:
-    from kvwire.compat.sglang.send import FailedSessions
+    from kvwire_sglang.send import FailedSessions
 
     class Manager(KvwireManagerMixin):
         def __init__(self) -> None:

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from kvwire import KVBuffer, KVLayout, LayoutError
-from kvwire.compat.sglang import layout_frame, layout_from_frames
-from kvwire.compat.sglang.registration import FRAME_PREFIX, MAX_FRAME_BYTES
+from kvwire_sglang import layout_frame, layout_from_frames
+from kvwire_sglang.registration import FRAME_PREFIX, MAX_FRAME_BYTES
 
 LAYOUT = KVLayout(
     (KVBuffer(0x10000, 4096, 32, 0, "k", "host"), KVBuffer(0x90000, 4096, 32, 0, "v", "host")), 1, 0

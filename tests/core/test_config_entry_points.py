@@ -23,8 +23,8 @@ import pytest
 
 import kvwire
 from kvwire import BackendConfig, ConfigError, KVLayout, resolve_config
-from kvwire.compat.sglang.manager import KvwireManagerMixin
-from kvwire.compat.vllm.settings import ConnectorSettings
+from kvwire.hosts.vllm.settings import ConnectorSettings
+from kvwire_sglang.manager import KvwireManagerMixin
 
 KVWIRE = [sys.executable, "-m", "kvwire"]
 BAD_TIMEOUT = "$KVWIRE_TIMEOUT_S='five' is not a number; write e.g. KVWIRE_TIMEOUT_S=5"
@@ -224,8 +224,8 @@ def test_the_vllm_worker_logs_one_activation_line_naming_what_configured_it(
     clean_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     torch = pytest.importorskip("torch")
-    from kvwire.compat.vllm.settings import EngineSide
-    from kvwire.compat.vllm.worker import WorkerSide
+    from kvwire.hosts.vllm.settings import EngineSide
+    from kvwire.hosts.vllm.worker import WorkerSide
 
     clean_env.setenv("KVWIRE_TIMEOUT_S", "3")
     settings = ConnectorSettings.from_extra_config({"backend": "local", "side_channel_port": 1, "lease_s": 60})

@@ -20,8 +20,8 @@ from numpy.typing import NDArray
 import kvwire
 from kvwire import BackendConfig, KVBuffer, KVLayout, TransferPlan
 from kvwire.backends.local import LocalBackend, LocalTransport
+from kvwire.connection.pool import Submissions
 from kvwire.lint import lint_tree
-from kvwire.submit.pool import Submissions
 
 from backends_for_tests import ReturnsStatus
 

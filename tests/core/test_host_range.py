@@ -1,11 +1,11 @@
-"""The host releases kvwire supports, and what an unsupported one does (kvwire.compat.host_range)."""
+"""The host releases kvwire supports, and what an unsupported one does (kvwire.hosts.host_range)."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvwire import ConfigError
-from kvwire.compat.host_range import SUPPORTED, UnsupportedHostError, host_decision
+from kvwire.hosts.host_range import SUPPORTED, UnsupportedHostError, host_decision
 
 
 def test_the_tested_releases_are_used() -> None:

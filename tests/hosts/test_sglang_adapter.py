@@ -1,4 +1,4 @@
-"""kvwire.compat.sglang against sglang's real, released source (read with ast from the wheel, never imported)."""
+"""kvwire_sglang against sglang's real, released source (read with ast from the wheel, never imported)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from kvwire.compat.sglang import KvwireManagerMixin, KvwireSendMixin, layout_from_kv_args
 from kvwire.spec import CURRENT, spec_hooks
+from kvwire_sglang import KvwireManagerMixin, KvwireSendMixin, layout_from_kv_args
 
 pytestmark = pytest.mark.slow
 

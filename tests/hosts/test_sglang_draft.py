@@ -1,4 +1,4 @@
-"""kvwire.compat.sglang with draft-model KV (speculative decoding) and HiSparse split decodes, in process.
+"""kvwire_sglang with draft-model KV (speculative decoding) and HiSparse split decodes, in process.
 
 sglang 0.5.23 appends the draft pool's KV buffers after the target's (``KVArgs.num_draft_entries``), and
 a HiSparse decode registers its target KV from its host pool and the draft's from the device. These tests
@@ -19,8 +19,8 @@ import pytest
 import kvwire
 from kvwire import BackendConfig, HeadLayout, KVLayout, LayoutError
 from kvwire.backends.local import LocalBackend
-from kvwire.compat.sglang import KvwireManagerMixin, SglangSender, layout_from_kv_args
-from kvwire.compat.sglang.manager import default_backend
+from kvwire_sglang import KvwireManagerMixin, SglangSender, layout_from_kv_args
+from kvwire_sglang.manager import default_backend
 
 PAGE = 64  # bytes per page in these pools
 
@@ -364,7 +364,7 @@ def test_device_kv_indices_on_a_backend_without_them_are_refused_with_minus_22_a
     plain = kvwire.Connection("plain", LocalBackend, caps, BackendConfig(), spec_version="1.5")
     adapter, endpoint, _, dst = _hisparse_pair(plain)
     before = dst.copy()
-    with caplog.at_level(logging.ERROR, logger="kvwire.compat.sglang"):
+    with caplog.at_level(logging.ERROR, logger="kvwire.sglang"):
         ret = adapter.send_kvcache(
             endpoint,
             np.array(SRC, np.int32),

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sglang-servers"), pytes
 
 LOAD = """
 import sys
-import kvwire.compat.host_range as host_range
+import kvwire.hosts.host_range as host_range
 if sys.argv[1] != "real":
     host_range.version = lambda name: sys.argv[1] if name == "sglang" else "?"
 from sglang.srt.plugins import load_plugins

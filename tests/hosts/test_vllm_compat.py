@@ -1,4 +1,4 @@
-"""``kvwire.compat.vllm`` without vLLM: the layout of vLLM's KV tensors, the settings, the wire formats, and
+"""``kvwire.hosts.vllm`` without vLLM: the layout of vLLM's KV tensors, the settings, the wire formats, and
 both sides of the connector moving blocks in one process through the ``local`` backend.
 
 vLLM itself runs in ``test_vllm_connector.py`` (slow, in ``.venv-vllm``); here its objects are stood in for by
@@ -17,20 +17,20 @@ import torch
 from ports import free_port_run
 
 from kvwire import ConfigError, HeadLayout, InvalidTransferError, LayoutError, PeerDescription
-from kvwire.compat.vllm import ConnectorSettings, layout_from_kv_caches, parse_remote_prefill, prefill_params
-from kvwire.compat.vllm.metadata import ReadyToSend, StepMetadata
-from kvwire.compat.vllm.rank import WorkerRank
-from kvwire.compat.vllm.registration import (
+from kvwire.hosts.vllm import ConnectorSettings, layout_from_kv_caches, parse_remote_prefill, prefill_params
+from kvwire.hosts.vllm.metadata import ReadyToSend, StepMetadata
+from kvwire.hosts.vllm.rank import WorkerRank
+from kvwire.hosts.vllm.registration import (
     Registration,
     notification_for,
     parse_notification,
     request_of_notification,
     with_token,
 )
-from kvwire.compat.vllm.scheduler import SchedulerSide
-from kvwire.compat.vllm.sending import Sender
-from kvwire.compat.vllm.settings import EngineSide
-from kvwire.compat.vllm.worker import WorkerSide
+from kvwire.hosts.vllm.scheduler import SchedulerSide
+from kvwire.hosts.vllm.sending import Sender
+from kvwire.hosts.vllm.settings import EngineSide
+from kvwire.hosts.vllm.worker import WorkerSide
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 BLOCKS, HEADS, TOKENS, DIMS = 8, 2, 32, 128  # fp16: 16384-byte blocks
@@ -320,16 +320,16 @@ def test_a_write_that_could_outlast_the_decodes_wait_is_not_started() -> None:
 def test_the_connector_class_says_vllm_is_missing_where_it_is() -> None:
     import importlib.util
 
-    import kvwire.compat.vllm
+    import kvwire.hosts.vllm
 
     spec = importlib.util.find_spec("vllm")
     if spec is not None and spec.origin is not None:  # not a namespace package (tests/hosts/vllm on sys.path)
         pytest.skip("vLLM is installed here")
     with pytest.raises(ModuleNotFoundError) as info:
-        _ = kvwire.compat.vllm.KvwireConnector
+        _ = kvwire.hosts.vllm.KvwireConnector
     assert str(info.value) == (
-        "kvwire.compat.vllm.KvwireConnector subclasses vLLM's KVConnectorBase_V1, and 'vllm' is not installed here: "
-        "install vLLM in this environment (the rest of kvwire.compat.vllm works without it)"
+        "kvwire.hosts.vllm.KvwireConnector subclasses vLLM's KVConnectorBase_V1, and 'vllm' is not installed here: "
+        "install vLLM in this environment (the rest of kvwire.hosts.vllm works without it)"
     )
 
 

@@ -1,4 +1,4 @@
-"""kvwire's vLLM connector (``kvwire.compat.vllm.KvwireConnector``) run by vLLM 0.33.0's own classes, on CPU.
+"""kvwire's vLLM connector (``kvwire.hosts.vllm.KvwireConnector``) run by vLLM 0.33.0's own classes, on CPU.
 
 Everything runs in the cached ``.venv-vllm`` (see ``test_vllm_real.py`` and tests/hosts/vllm/README.md):
 
@@ -63,7 +63,7 @@ def test_vllms_factory_and_scheduler_run_the_kvwire_connector(vllm_python: Path)
     assert "error" not in factory and "error" not in sched, result
     for role in ("SCHEDULER", "WORKER"):
         assert factory[role] == {
-            "class": "kvwire.compat.vllm.connector.KvwireConnector",
+            "class": "kvwire.hosts.vllm.connector.KvwireConnector",
             "is_KVConnectorBase_V1": True,
             "role": role,
             "backend": "mooncake",

@@ -18,12 +18,12 @@ from ports import free_port_run
 
 from kvwire import MAX_NOTIFICATION_BYTES, TransferError
 from kvwire.backends.local import LocalTransport
-from kvwire.compat.vllm import ConnectorSettings
-from kvwire.compat.vllm.notices import FailureNotice, failure_notice_for, parse_failure_notice
-from kvwire.compat.vllm.registration import with_token
-from kvwire.compat.vllm.scheduler import SchedulerSide
-from kvwire.compat.vllm.settings import EngineSide
-from kvwire.compat.vllm.worker import WorkerSide
+from kvwire.hosts.vllm import ConnectorSettings
+from kvwire.hosts.vllm.notices import FailureNotice, failure_notice_for, parse_failure_notice
+from kvwire.hosts.vllm.registration import with_token
+from kvwire.hosts.vllm.scheduler import SchedulerSide
+from kvwire.hosts.vllm.settings import EngineSide
+from kvwire.hosts.vllm.worker import WorkerSide
 from kvwire.planning.plan import TransferPlan
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]

@@ -16,8 +16,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 BUILD = """
 import sys
-import kvwire.compat.host_range as host_range
-from kvwire.compat.vllm.connector import KvwireConnector
+import kvwire.hosts.host_range as host_range
+from kvwire.hosts.vllm.connector import KvwireConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 host_range.version = lambda name: sys.argv[1] if name == "vllm" else "?"
 try:
@@ -47,3 +47,24 @@ def test_the_connector_refuses_an_unsupported_vllm_unless_told_to_try(vllm_pytho
             _build(vllm_python, version, **env)
             == "AttributeError 'NoneType' object has no attribute 'kv_transfer_config'"
         )
+
+
+RESOLVE = """
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+import kvwire.hosts.vllm
+for path in ("kvwire.hosts.vllm", "kvwire.compat.vllm"):
+    config = KVTransferConfig(kv_connector="KvwireConnector", kv_connector_module_path=path, kv_role="kv_producer")
+    cls = KVConnectorFactory.get_connector_class(config)
+    print(path, cls.__module__, cls is kvwire.hosts.vllm.KvwireConnector)
+"""
+
+
+def test_vllms_factory_finds_the_connector_by_its_module_path_and_by_the_old_one(vllm_python: Path) -> None:
+    """Users' configs name kv_connector_module_path="kvwire.compat.vllm": it still resolves, to the same class."""
+    proc = subprocess.run([str(vllm_python), "-c", RESOLVE], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-2:] == [
+        "kvwire.hosts.vllm kvwire.hosts.vllm.connector True",
+        "kvwire.compat.vllm kvwire.hosts.vllm.connector True",
+    ]

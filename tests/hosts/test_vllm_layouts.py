@@ -18,15 +18,15 @@ import torch
 from ports import free_port_run
 
 from kvwire import LayoutError, PeerDescription
-from kvwire.compat.vllm import ConnectorSettings, layout_from_kv_caches
-from kvwire.compat.vllm.layout import LBNHC_ACROSS_TP
-from kvwire.compat.vllm.metadata import ReadyToSend
-from kvwire.compat.vllm.rank import WorkerRank
-from kvwire.compat.vllm.registration import Registration
-from kvwire.compat.vllm.scheduler import SchedulerSide
-from kvwire.compat.vllm.sending import Sender
-from kvwire.compat.vllm.settings import EngineSide
-from kvwire.compat.vllm.worker import WorkerSide
+from kvwire.hosts.vllm import ConnectorSettings, layout_from_kv_caches
+from kvwire.hosts.vllm.layout import LBNHC_ACROSS_TP
+from kvwire.hosts.vllm.metadata import ReadyToSend
+from kvwire.hosts.vllm.rank import WorkerRank
+from kvwire.hosts.vllm.registration import Registration
+from kvwire.hosts.vllm.scheduler import SchedulerSide
+from kvwire.hosts.vllm.sending import Sender
+from kvwire.hosts.vllm.settings import EngineSide
+from kvwire.hosts.vllm.worker import WorkerSide
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 # vLLM's KVCacheLayout members as the physical order of a layer view's [B, H, N, C]

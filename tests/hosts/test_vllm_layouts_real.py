@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent / "vllm"))
 
 from pd_pair import NodeProcess, node_env
 
-from kvwire.compat.vllm.layout import LBNHC_ACROSS_TP
+from kvwire.hosts.vllm.layout import LBNHC_ACROSS_TP
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 

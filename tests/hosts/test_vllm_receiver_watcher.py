@@ -15,10 +15,10 @@ import torch
 from test_vllm_compat import LAYERS, _blocks, _port, _request, _until, vllm_kv_caches
 
 from kvwire import TransferError
-from kvwire.compat.vllm import ConnectorSettings
-from kvwire.compat.vllm.scheduler import SchedulerSide
-from kvwire.compat.vllm.settings import EngineSide
-from kvwire.compat.vllm.worker import WorkerSide
+from kvwire.hosts.vllm import ConnectorSettings
+from kvwire.hosts.vllm.scheduler import SchedulerSide
+from kvwire.hosts.vllm.settings import EngineSide
+from kvwire.hosts.vllm.worker import WorkerSide
 
 
 def _move(p_sched: Any, d_sched: Any, p_work: Any, d_work: Any, name: str, src: list[int], dst: list[int]) -> None:

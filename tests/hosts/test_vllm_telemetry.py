@@ -1,4 +1,4 @@
-"""What the connector counts for vLLM's metrics (``kvwire.compat.vllm.telemetry``), without vLLM.
+"""What the connector counts for vLLM's metrics (``kvwire.hosts.vllm.telemetry``), without vLLM.
 
 vLLM's own classes read these payloads back in ``test_vllm_metrics_real.py`` (slow); here the counting
 itself: a write, a refusal and a failed load, each counted once, on the side where it happened.
@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from ports import free_port_run
 
-from kvwire.compat.vllm import ConnectorSettings
-from kvwire.compat.vllm.scheduler import SchedulerSide
-from kvwire.compat.vllm.settings import EngineSide
-from kvwire.compat.vllm.telemetry import STAT_KEYS, TransferStats, reduce_stats
-from kvwire.compat.vllm.worker import WorkerSide
+from kvwire.hosts.vllm import ConnectorSettings
+from kvwire.hosts.vllm.scheduler import SchedulerSide
+from kvwire.hosts.vllm.settings import EngineSide
+from kvwire.hosts.vllm.telemetry import STAT_KEYS, TransferStats, reduce_stats
+from kvwire.hosts.vllm.worker import WorkerSide
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 

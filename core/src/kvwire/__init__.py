@@ -11,6 +11,7 @@ validated against the spec when it loads.
 from kvwire.config import BackendConfig, ResolvedConfig, resolve_config
 from kvwire.connection.connection import Connection
 from kvwire.connection.deadline import CALL_GRACE_S, StuckCall
+from kvwire.connection.watcher import Arrival, NotificationWatcher
 from kvwire.errors import (
     BackendDriftError,
     BackendError,
@@ -40,13 +41,12 @@ from kvwire.registry.validator import ValidationResult, validate_backend
 from kvwire.spec.capabilities import FEATURES
 from kvwire.spec.history import SPEC_HISTORY, SPEC_VERSION, SpecVersion
 from kvwire.spec.hooks import BackendSpec
+from kvwire.spec.notifications import MAX_NOTIFICATION_BYTES, Notification
 from kvwire.spec.pluggy_project import ENTRY_POINT_GROUP, hookimpl, hookspec
 from kvwire.spec.protocol import BackendProtocol
 from kvwire.spec.request import TransferRequest
-from kvwire.submit.futures import TransferFuture
-from kvwire.submit.notifications import MAX_NOTIFICATION_BYTES, Notification
-from kvwire.submit.watcher import Arrival, NotificationWatcher
 from kvwire.transport.backend import TransportBackend
+from kvwire.transport.futures import TransferFuture
 from kvwire.transport.interface import RawWriter, Transport, TransportTuning
 from kvwire.transport.regions import RegionSet
 

@@ -48,8 +48,7 @@ import numpy as np
 from kvwire.errors import BackendError, KvwireError
 from kvwire.process_wide import ProcessWide
 from kvwire.spec.pluggy_project import hookimpl
-from kvwire.submit import inbox
-from kvwire.transport import telemetry
+from kvwire.transport import inbox, telemetry
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry

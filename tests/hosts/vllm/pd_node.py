@@ -123,7 +123,7 @@ class Node:
             parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
             kv_transfer_config=KVTransferConfig(
                 kv_connector=msg.get("connector", "KvwireConnector"),
-                kv_connector_module_path=msg.get("module", "kvwire.compat.vllm"),
+                kv_connector_module_path=msg.get("module", "kvwire.hosts.vllm"),
                 kv_role="kv_producer" if self.role == "prefill" else "kv_consumer",
                 kv_buffer_device="cpu",
                 kv_connector_extra_config=msg.get("extra", {}),

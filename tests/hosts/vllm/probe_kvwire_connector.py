@@ -2,7 +2,7 @@
 
     VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python tests/hosts/vllm/probe_kvwire_connector.py
 
-* factory: ``KVConnectorFactory.create_connector`` builds ``kvwire.compat.vllm.KvwireConnector`` for the
+* factory: ``KVConnectorFactory.create_connector`` builds ``kvwire.hosts.vllm.KvwireConnector`` for the
   SCHEDULER and the WORKER role from a real ``VllmConfig`` (no model); the worker registers the tensors of
   vLLM's own ``allocate_kv_cache`` with kvwire-mooncake, and its layout is reported.
 * refusals: an extra config without ``backend`` (ConfigError), a KV tensor of a shape kvwire does not move
@@ -58,7 +58,7 @@ def config(kv_role: str, extra: dict[str, Any], model_dir: str | None = None) ->
         device_config=DeviceConfig(device="cpu"),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvwireConnector",
-            kv_connector_module_path="kvwire.compat.vllm",
+            kv_connector_module_path="kvwire.hosts.vllm",
             kv_role=kv_role,  # type: ignore[arg-type]
             kv_connector_extra_config=extra,
         ),

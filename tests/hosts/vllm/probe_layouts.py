@@ -75,7 +75,7 @@ def engine_config(model: str, role: str, tp: int, block_size: int, port: int) ->
         parallel_config=ParallelConfig(tensor_parallel_size=tp),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvwireConnector",
-            kv_connector_module_path="kvwire.compat.vllm",
+            kv_connector_module_path="kvwire.hosts.vllm",
             kv_role=role,  # type: ignore[arg-type]
             kv_connector_extra_config={"backend": "local", "side_channel_port": port, "load_timeout_s": 20},
         ),

@@ -277,8 +277,8 @@ def test_bench_json_verifies_every_byte() -> None:
 
 
 def test_a_receiver_that_never_polls_keeps_at_most_its_inbox_bound_the_oldest_dropped() -> None:
-    """Issue 23, deliverable 2 on NIXL: the progress thread drains NIXL into the bounded kvwire.submit.Inbox."""
-    from kvwire.submit import Inbox
+    """Issue 23, deliverable 2 on NIXL: the progress thread drains NIXL into the bounded kvwire.transport.Inbox."""
+    from kvwire.transport import Inbox
 
     memory, source = SPEC.allocate(1), SPEC.allocate(2)
     with kvwire.connect("nixl") as receiver, kvwire.connect("nixl") as sender:

@@ -1,8 +1,8 @@
 """kvwire-nixl is written like a third party's plugin: kvwire's public API only, read from its source with ``ast``.
 
 Allowed: ``import kvwire``, ``from kvwire import NAME`` and ``kvwire.NAME`` where
-NAME is in ``kvwire.__all__``, and ``from kvwire.submit import NAME`` where NAME is in
-``kvwire.submit.__all__`` (the helpers public for transport authors). Refused:
+NAME is in ``kvwire.__all__``, and ``from kvwire.transport import NAME`` where NAME is in
+``kvwire.transport.__all__`` (the helpers public for transport authors). Refused:
 ``kvwire._anything``, ``kvwire.<submodule>`` (imported or reached as an attribute), and any
 other plugin (``kvwire_<other>``).
 """
@@ -13,12 +13,12 @@ import ast
 from pathlib import Path
 
 import kvwire
-import kvwire.submit
+import kvwire.transport
 
 SOURCE = Path(__file__).parents[3] / "plugins" / "nixl" / "src" / "kvwire_nixl"
 PUBLIC = frozenset(kvwire.__all__)
 #: Submodules public for plugin authors, with the names each offers.
-PUBLIC_MODULES = {"kvwire.submit": frozenset(kvwire.submit.__all__)}
+PUBLIC_MODULES = {"kvwire.transport": frozenset(kvwire.transport.__all__)}
 
 
 def _findings(path: Path) -> list[str]:
@@ -62,11 +62,11 @@ def test_the_plugin_uses_only_kvwires_public_api() -> None:
 def test_the_checker_catches_what_it_must(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text(
-        "import kvwire\nimport kvwire.planning\nfrom kvwire.transport import Transport\n"
-        "from kvwire import _internal\nfrom kvwire.submit import run_into, follow\n"
+        "import kvwire\nimport kvwire.planning\nfrom kvwire.transport.backend import TransportBackend\n"
+        "from kvwire import _internal\nfrom kvwire.transport import run_into, follow\n"
         "from kvwire_mooncake import MooncakeBackend\nx = kvwire.registry\ny = kvwire._private\nz = kvwire.Transport\n"
     )
-    assert len(_findings(bad)) == 7  # follow is not among kvwire.submit's public names
+    assert len(_findings(bad)) == 7  # follow is not among kvwire.transport's public names
 
 
 def test_modules_stay_small() -> None:

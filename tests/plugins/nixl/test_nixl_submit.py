@@ -14,9 +14,9 @@ from freezing import freeze
 
 import kvwire
 from kvwire import BackendConfig
-from kvwire.submit.busy import busy_fractions
 from kvwire.testing.harness import ContractHarness
 from kvwire.testing.receiver import LayoutSpec
+from kvwire.transport.busy import busy_fractions
 from kvwire.workload.fragment import fragmented_pages
 from kvwire_nixl.locate import nixl_availability
 

@@ -1,7 +1,7 @@
 """kvwire-nixl's ``Submitter`` after a failed write: the writes queued behind it to that peer fail unstarted.
 
 The same rule as kvwire-mooncake's ``PeerQueues`` (tests/plugins/mooncake/test_engine_queues.py), with
-the same error (``kvwire.submit.queued_behind``). NIXL is replaced by a stand-in agent whose post to the
+the same error (``kvwire.transport.queued_behind``). NIXL is replaced by a stand-in agent whose post to the
 peer ``dead`` blocks until the test lets it fail, so which writes are still queued is known exactly.
 """
 

@@ -22,9 +22,9 @@ import weakref
 from kvwire.config import BackendConfig
 from kvwire.errors import PeerUnreachableError
 from kvwire.planning.plan import TransferPlan
-from kvwire.submit.inbox import Inbox
-from kvwire.submit.notifications import Notification
+from kvwire.spec.notifications import Notification
 from kvwire.transport.backend import TransportBackend
+from kvwire.transport.inbox import Inbox
 from kvwire.transport.interface import Transport, TransportTuning
 from kvwire.transport.regions import RegionSet
 

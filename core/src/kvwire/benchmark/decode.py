@@ -33,13 +33,13 @@ from numpy.typing import NDArray
 from kvwire.benchmark.presets import get_preset
 from kvwire.config import BackendConfig
 from kvwire.connection import Connection
+from kvwire.connection.watcher import NotificationWatcher
 from kvwire.control import accept_one, check_listen_key, parse_address, read_command, reply, serve
 from kvwire.landing import Landing
 from kvwire.layout.buffers import MemoryKind
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.layout.peer import PeerDescription
 from kvwire.registry.manager import connect
-from kvwire.submit.watcher import NotificationWatcher
 from kvwire.workload.memory import KVMemory, allocate
 
 PageSets = list[tuple[MemoryKind | None, NDArray[np.int64]]]

@@ -22,7 +22,7 @@ the local decode child only). Mooncake sends the notification inside the
 write's own job, before the future completes, so its figure can be negative.
 
 Whether requests in flight really overlap: when the backend's transport keeps
-a :class:`~kvwire.submit.BusyClock` (kvwire-nixl: each posting stream;
+a :class:`~kvwire.transport.BusyClock` (kvwire-nixl: each posting stream;
 kvwire-mooncake: each peer's writes), its snapshot is taken around every wave,
 and each worker's busy time over the phase's wave time is reported per phase.
 More in flight should leave the workers less idle between requests.
@@ -45,7 +45,7 @@ from kvwire.benchmark.results import summary
 from kvwire.benchmark.session import BenchSession
 from kvwire.errors import ConfigError
 from kvwire.planning.planner import plan_transfer
-from kvwire.submit.busy import BusyClock, busy_between
+from kvwire.transport.busy import BusyClock, busy_between
 from kvwire.workload.fragment import place, run_lengths
 
 __all__ = ["check_inflight", "inflight_rows", "latency_note", "measure_inflight", "slot_pages"]
@@ -296,7 +296,7 @@ def _busy_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
     """Each transport worker's busy fraction per phase (none when the transport keeps no BusyClock)."""
     fractions = r.get("busy_fractions") or {}
     if not r.get("busy_clock"):
-        return [("workers busy", "n/a (the transport keeps no kvwire.submit.BusyClock)")]
+        return [("workers busy", "n/a (the transport keeps no kvwire.transport.BusyClock)")]
 
     def line(phase: str) -> str:
         return ", ".join(f"{name[:40]} {f:.1%}" for name, f in fractions.get(phase, {}).items()) or "none"

@@ -6,7 +6,7 @@ lacks (or that its older spec version lacks: the adapted mode) are refused
 with :class:`UnsupportedFeatureError`, so nothing is silently dropped.
 
 ``submit_kvcache`` is the non-blocking send: the backend's own when it declares
-``submit``, else the core's (:mod:`kvwire.submit.pool`); notifications need a
+``submit``, else the core's (:mod:`kvwire.connection.pool`); notifications need a
 backend that declares ``notifications``.
 
 A send is plain calls with arguments. For a :class:`kvwire.TransportBackend` at the
@@ -33,6 +33,7 @@ from numpy.typing import NDArray
 from kvwire.config import BackendConfig
 from kvwire.connection.deadline import CALL_GRACE_S, CallThreads, StuckCall
 from kvwire.connection.guards import as_backend_error, backend_errors, check_middleware
+from kvwire.connection.pool import Submissions
 from kvwire.errors import BackendError, ConfigError, InvalidTransferError, KvwireError, UnsupportedFeatureError
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.layout.peer_table import PeerTable, check_session_id
@@ -41,12 +42,11 @@ from kvwire.planning.plan import TransferPlan
 from kvwire.planning.planner import check_peer_shape, plan_request
 from kvwire.spec.history import CURRENT, SpecVersion
 from kvwire.spec.hooks import BackendSpec
+from kvwire.spec.notifications import Notification, check_message
 from kvwire.spec.pluggy_project import PROJECT_NAME
 from kvwire.spec.request import TransferRequest
-from kvwire.submit.futures import TransferFuture, follow
-from kvwire.submit.notifications import Notification, check_message
-from kvwire.submit.pool import Submissions
 from kvwire.transport.backend import TransportBackend, offers_raw_write
+from kvwire.transport.futures import TransferFuture, follow
 
 __all__ = ["Connection"]
 
@@ -223,7 +223,7 @@ class Connection:
         A backend that declares ``submit`` runs the transfer itself; for any other
         the blocking send runs on ``executor`` (given None itself then, so it
         cannot wait on its own pool) or on the connection's pool of
-        :data:`~kvwire.submit.pool.DEFAULT_SUBMIT_WORKERS` threads. The future
+        :data:`~kvwire.connection.pool.DEFAULT_SUBMIT_WORKERS` threads. The future
         fails with the typed kvwire error (a :class:`kvwire.TransferTimeoutError`
         within ``timeout_s`` of the transfer starting). ``cancel()`` succeeds only
         before the transfer starts. ``notification`` (bytes, at most

@@ -15,10 +15,10 @@ from types import MappingProxyType
 from typing import Any
 
 from kvwire.spec.history import HOOK_FEATURES, PARAMETER_FEATURES, SPEC_HISTORY, SpecVersion, hook_since
+from kvwire.spec.notifications import Notification
 from kvwire.spec.pluggy_project import hookspec
 from kvwire.spec.protocol import BackendProtocol
 from kvwire.spec.request import TransferRequest
-from kvwire.submit.notifications import Notification
 
 __all__ = ["BackendSpec", "SpecHook", "SpecParam", "features_at", "spec_hooks"]
 

@@ -17,8 +17,8 @@ from kvwire.config import BackendConfig
 from kvwire.connection import Connection
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.registry.manager import connect, default_registry
-from kvwire.submit.futures import TransferFuture
 from kvwire.testing.receiver import InProcessReceiver, LayoutSpec, Receiver, SubprocessReceiver, buffer_digests
+from kvwire.transport.futures import TransferFuture
 from kvwire.workload.fragment import fragmented_pages
 from kvwire.workload.memory import KVMemory, digest
 

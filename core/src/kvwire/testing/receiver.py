@@ -19,12 +19,12 @@ from numpy.typing import NDArray
 
 from kvwire.config import BackendConfig
 from kvwire.connection import Connection
+from kvwire.connection.watcher import Arrival as WatchedArrival
+from kvwire.connection.watcher import NotificationWatcher
 from kvwire.control import ChildProcess, ControlProtocolError, reply, serve
 from kvwire.layout.buffers import HeadLayout, MemoryKind, Role
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.layout.peer import PeerDescription
-from kvwire.submit.watcher import Arrival as WatchedArrival
-from kvwire.submit.watcher import NotificationWatcher
 from kvwire.workload.memory import KVMemory, allocate, digest
 
 __all__ = [

@@ -31,11 +31,11 @@ from kvwire.layout.peer_table import PeerTable
 from kvwire.planning.gate import Gate
 from kvwire.planning.plan import TransferPlan
 from kvwire.planning.planner import plan_request
+from kvwire.spec.notifications import Notification
 from kvwire.spec.pluggy_project import hookimpl
 from kvwire.spec.request import SendAdapter, TransferRequest
-from kvwire.submit.futures import TransferFuture, follow, run_into
-from kvwire.submit.notifications import Notification
 from kvwire.transport import telemetry
+from kvwire.transport.futures import TransferFuture, follow, run_into
 from kvwire.transport.interface import RawWriter, Transport
 from kvwire.transport.staging import Staging, gather_of
 

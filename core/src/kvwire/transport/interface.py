@@ -18,8 +18,8 @@ from typing import ClassVar, Protocol, runtime_checkable
 from kvwire.errors import UnsupportedFeatureError
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.planning.plan import TransferPlan
-from kvwire.submit.busy import BusyClock
-from kvwire.submit.notifications import Notification
+from kvwire.spec.notifications import Notification
+from kvwire.transport.busy import BusyClock
 
 __all__ = ["RawWriter", "Transport", "TransportTuning"]
 
@@ -67,7 +67,7 @@ class Transport(ABC):
        submission is not delivered.
 
     ``tuning`` (a :class:`TransportTuning`; default: none) shapes the writes. ``busy`` (default
-    None) is bench instrumentation: a :class:`kvwire.submit.BusyClock` the transport's workers count
+    None) is bench instrumentation: a :class:`kvwire.transport.BusyClock` the transport's workers count
     their writing time in, so a bench can show whether requests in flight keep them busy.
     """
 

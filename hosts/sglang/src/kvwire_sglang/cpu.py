@@ -28,7 +28,7 @@ from typing import Any
 
 __all__ = ["register"]
 
-log = logging.getLogger("kvwire_sglang.cpu")
+log = logging.getLogger("kvwire.sglang.cpu")
 
 
 def _mla_on_torch_native(attn: Any, forward_batch: Any) -> Any:

@@ -32,13 +32,13 @@ _NEEDED: Final = (
 def register() -> None:
     """Register the replacement (sglang calls this; it imports sglang's Mooncake manager module).
 
-    On an sglang release kvwire does not support (:mod:`kvwire.compat.host_range`), the process stops
+    On an sglang release kvwire does not support (:mod:`kvwire.hosts.host_range`), the process stops
     with the reason (``SystemExit``: sglang's plugin loader logs and swallows an ``Exception``), unless
     ``KVWIRE_SGLANG_UNSUPPORTED`` is ``fallback`` (sglang's own path) or ``try`` (kvwire anyway).
     """
-    from kvwire.compat.host_range import UnsupportedHostError, host_decision
+    from kvwire.hosts.host_range import UnsupportedHostError, host_decision
 
-    log = logging.getLogger("kvwire.compat.sglang")
+    log = logging.getLogger("kvwire.sglang")
     try:
         decision = host_decision("sglang")
     except UnsupportedHostError as exc:
@@ -51,7 +51,7 @@ def register() -> None:
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from kvwire.compat.sglang import KvwireManagerMixin
+    from kvwire_sglang import KvwireManagerMixin
 
     missing = [name for name in _NEEDED if not hasattr(MooncakeKVManager, name)]
     if missing:  # only with KVWIRE_SGLANG_UNSUPPORTED=try: this sglang lacks what the mixin hooks into

@@ -40,7 +40,7 @@ from typing import Any, Final, TypeVar
 import numpy as np
 
 import kvwire
-from kvwire.submit import BusyClock, Inbox
+from kvwire.transport import BusyClock, Inbox
 from kvwire_nixl.errors import translate
 from kvwire_nixl.locate import import_nixl
 from kvwire_nixl.memory import Segment

@@ -36,7 +36,7 @@ from functools import partial
 from typing import Any, Final
 
 import kvwire
-from kvwire.submit import fail_unstarted, queued_behind
+from kvwire.transport import fail_unstarted, queued_behind
 from kvwire_nixl.agent import NixlAgent
 from kvwire_nixl.errors import translate
 from kvwire_nixl.feed import Group, Write, feed

@@ -13,8 +13,8 @@ still returns 0): Mooncake offers no delivery receipt.
 
 The engine keeps what arrived, without limit, until ``get_notifies()``: so
 :class:`Received` drains it every :data:`DRAIN_INTERVAL_S` into a bounded
-:class:`kvwire.submit.Inbox`, and a receiver that never polls holds at most
-:data:`kvwire.submit.MAX_UNPOLLED_NOTIFICATIONS` (the oldest dropped, counted),
+:class:`kvwire.transport.Inbox`, and a receiver that never polls holds at most
+:data:`kvwire.transport.MAX_UNPOLLED_NOTIFICATIONS` (the oldest dropped, counted),
 as on every kvwire backend.
 """
 
@@ -29,7 +29,7 @@ from typing import Any, Final
 
 from kvwire import MAX_NOTIFICATION_BYTES
 from kvwire.errors import TransferError, TransferTimeoutError, UnsupportedFeatureError
-from kvwire.submit import Inbox
+from kvwire.transport import Inbox
 from kvwire_mooncake.engine.periodic import Periodic
 from kvwire_mooncake.engine.slots import Slots
 from kvwire_mooncake.engine.workers import Workers

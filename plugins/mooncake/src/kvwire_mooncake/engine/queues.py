@@ -24,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from kvwire.errors import TransferError
-from kvwire.submit import fail_unstarted, queued_behind, run_into
+from kvwire.transport import fail_unstarted, queued_behind, run_into
 from kvwire_mooncake.engine.workers import Workers
 
 __all__ = ["PeerQueues"]

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Final, TypeVar
 
-from kvwire.submit import run_into
+from kvwire.transport import run_into
 
 __all__ = ["Workers"]
 

@@ -25,7 +25,7 @@ from numpy.typing import NDArray
 from kvwire import RegionSet
 from kvwire.config import BackendConfig
 from kvwire.errors import InvalidTransferError, PeerUnreachableError, TransferError
-from kvwire.submit import BusyClock
+from kvwire.transport import BusyClock
 from kvwire_mooncake.engine import failures, notify
 from kvwire_mooncake.engine.arrays import as_addresses, write_arrays
 from kvwire_mooncake.engine.binding import (

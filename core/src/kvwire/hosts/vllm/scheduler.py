@@ -1,12 +1,12 @@
 """The scheduler side of the connector: which requests send, which receive, and when blocks may be freed.
 
 It runs in vLLM's engine core, next to the v1 ``Scheduler``, and never moves a
-byte: it turns the scheduler's hooks into :class:`~kvwire.compat.vllm.metadata.StepMetadata`
+byte: it turns the scheduler's hooks into :class:`~kvwire.hosts.vllm.metadata.StepMetadata`
 for the workers and returns the prefill's ``kv_transfer_params``.
 
 * Prefill (a request with ``do_remote_decode``): ``request_finished`` keeps the
   blocks (``delay_free``), tells the workers they are ready, and returns
-  :func:`~kvwire.compat.vllm.params.prefill_params`. vLLM frees them when the
+  :func:`~kvwire.hosts.vllm.params.prefill_params`. vLLM frees them when the
   workers report the request in ``finished_sending`` (after the write, or at the
   lease's end).
 * Decode (a request with ``do_remote_prefill``): ``get_num_new_matched_tokens``
@@ -24,14 +24,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvwire.compat.vllm.metadata import ReadyToSend, StepMetadata, ToReceive
-from kvwire.compat.vllm.params import parse_remote_prefill, prefill_params
-from kvwire.compat.vllm.settings import EngineSide
 from kvwire.errors import InvalidTransferError
+from kvwire.hosts.vllm.metadata import ReadyToSend, StepMetadata, ToReceive
+from kvwire.hosts.vllm.params import parse_remote_prefill, prefill_params
+from kvwire.hosts.vllm.settings import EngineSide
 
 __all__ = ["SchedulerSide"]
 
-log = logging.getLogger("kvwire.compat.vllm")
+log = logging.getLogger("kvwire.hosts.vllm")
 
 #: Request statuses after which a prefill's KV is complete (an aborted request's is not).
 _SENDABLE = frozenset({"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"})

@@ -1,7 +1,7 @@
 """kvwire's transfers in vLLM's metrics: ``KVConnectorStats`` and ``vllm:kvwire_*`` Prometheus metrics.
 
-This module imports vLLM (it is imported by :mod:`~kvwire.compat.vllm.connector` only). The payload is
-:mod:`~kvwire.compat.vllm.telemetry`'s. vLLM's engine core aggregates the workers' stats
+This module imports vLLM (it is imported by :mod:`~kvwire.hosts.vllm.connector` only). The payload is
+:mod:`~kvwire.hosts.vllm.telemetry`'s. vLLM's engine core aggregates the workers' stats
 (:meth:`KvwireConnectorStats.aggregate`), its logger prints :meth:`KvwireConnectorStats.reduce` as
 "KV Transfer metrics: ...", and its Prometheus logger records them per engine
 (:class:`KvwirePromMetrics`), as vLLM's NIXL connector does with ``vllm:nixl_*``:
@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: igno
 )
 from vllm.v1.metrics.utils import create_metric_per_engine  # type: ignore[import-not-found, unused-ignore]
 
-from kvwire.compat.vllm.telemetry import STAT_KEYS, StatsData, reduce_stats
+from kvwire.hosts.vllm.telemetry import STAT_KEYS, StatsData, reduce_stats
 
 __all__ = ["KvwireConnectorStats", "KvwirePromMetrics"]
 
@@ -48,7 +48,7 @@ _COUNTERS = (
 
 @dataclass
 class KvwireConnectorStats(KVConnectorStats):  # type: ignore[misc, unused-ignore]
-    """The observations of one or more workers (``data``: :data:`~kvwire.compat.vllm.telemetry.STAT_KEYS`)."""
+    """The observations of one or more workers (``data``: :data:`~kvwire.hosts.vllm.telemetry.STAT_KEYS`)."""
 
     def __post_init__(self) -> None:
         for key in STAT_KEYS:

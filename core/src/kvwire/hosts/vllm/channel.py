@@ -49,7 +49,7 @@ __all__ = [
     "ReplyCallback",
 ]
 
-log = logging.getLogger("kvwire.compat.vllm")
+log = logging.getLogger("kvwire.hosts.vllm")
 
 #: Answers one message from a decode (any exception becomes an ``{"error": ...}`` reply).
 Handler = Callable[[dict[str, Any]], dict[str, Any]]

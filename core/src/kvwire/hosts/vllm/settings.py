@@ -42,7 +42,7 @@ from kvwire.errors import ConfigError
 
 __all__ = ["DEFAULT_SIDE_CHANNEL_PORT", "ConnectorSettings", "EngineSide"]
 
-log = logging.getLogger("kvwire.compat.vllm")
+log = logging.getLogger("kvwire.hosts.vllm")
 
 DEFAULT_SIDE_CHANNEL_PORT: Final = 5710
 _KEYS: Final = frozenset(

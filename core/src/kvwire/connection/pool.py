@@ -17,7 +17,7 @@ from functools import partial
 from typing import Final
 
 from kvwire.errors import BackendError
-from kvwire.submit.futures import TransferFuture, fail_unstarted, run_into
+from kvwire.transport.futures import TransferFuture, fail_unstarted, run_into
 
 __all__ = ["DEFAULT_SUBMIT_WORKERS", "Submissions"]
 

@@ -1,10 +1,10 @@
 """``KvwireConnector``: vLLM's ``KVConnectorBase_V1`` over any kvwire backend (this module imports vLLM).
 
-Load it with ``kv_connector="KvwireConnector"``, ``kv_connector_module_path="kvwire.compat.vllm"``
+Load it with ``kv_connector="KvwireConnector"``, ``kv_connector_module_path="kvwire.hosts.vllm"``
 and ``kv_connector_extra_config={"backend": "nixl", ...}`` (keys:
-:mod:`kvwire.compat.vllm.settings`). Every hook delegates to
-:class:`~kvwire.compat.vllm.scheduler.SchedulerSide` or
-:class:`~kvwire.compat.vllm.worker.WorkerSide`; per-layer pipelining is not done
+:mod:`kvwire.hosts.vllm.settings`). Every hook delegates to
+:class:`~kvwire.hosts.vllm.scheduler.SchedulerSide` or
+:class:`~kvwire.hosts.vllm.worker.WorkerSide`; per-layer pipelining is not done
 (``wait_for_layer_load`` and ``save_kv_layer`` do nothing, as in vLLM's NIXL
 connectors): a prefill writes a request's blocks once it finished.
 """
@@ -20,18 +20,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
     KVConnectorRole,
 )
 
-from kvwire.compat.host_range import host_decision
-from kvwire.compat.vllm.metadata import StepMetadata
-from kvwire.compat.vllm.scheduler import SchedulerSide
-from kvwire.compat.vllm.settings import ConnectorSettings, EngineSide
-from kvwire.compat.vllm.stats import KvwireConnectorStats, KvwirePromMetrics
-from kvwire.compat.vllm.worker import WorkerSide
+from kvwire.hosts.host_range import host_decision
+from kvwire.hosts.vllm.metadata import StepMetadata
+from kvwire.hosts.vllm.scheduler import SchedulerSide
+from kvwire.hosts.vllm.settings import ConnectorSettings, EngineSide
+from kvwire.hosts.vllm.stats import KvwireConnectorStats, KvwirePromMetrics
+from kvwire.hosts.vllm.worker import WorkerSide
 
 __all__ = ["KvwireConnector", "KvwireConnectorMetadata"]
 
 
 class KvwireConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc, unused-ignore]
-    """One step's :class:`~kvwire.compat.vllm.metadata.StepMetadata`, as vLLM's metadata type."""
+    """One step's :class:`~kvwire.hosts.vllm.metadata.StepMetadata`, as vLLM's metadata type."""
 
     def __init__(self, step: StepMetadata) -> None:
         self.step = step
@@ -153,7 +153,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().load_errors()
 
-    # -- metrics (vLLM's KVConnectorStats, see kvwire.compat.vllm.stats) ------
+    # -- metrics (vLLM's KVConnectorStats, see kvwire.hosts.vllm.stats) ------
 
     def get_kv_connector_stats(self) -> KvwireConnectorStats | None:
         """This worker's transfers since the last step; None on the scheduler side or when there were none."""

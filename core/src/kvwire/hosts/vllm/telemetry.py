@@ -4,7 +4,7 @@ vLLM collects a connector's stats each step (``get_kv_connector_stats`` on every
 worker, aggregated in the engine core), logs a summary (``reduce``) and feeds
 its Prometheus metrics (``build_prom_metrics``). This module keeps the
 observations as plain lists, as vLLM's NIXL connector does, so the payload
-crosses processes as it is; :mod:`~kvwire.compat.vllm.stats` wraps it in
+crosses processes as it is; :mod:`~kvwire.hosts.vllm.stats` wraps it in
 vLLM's classes. Nothing of vLLM is imported here.
 
 Keys (:data:`STAT_KEYS`): ``transfer_duration`` (seconds from the prefill's

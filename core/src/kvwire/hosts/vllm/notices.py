@@ -15,8 +15,8 @@ import json
 from dataclasses import dataclass
 from typing import Final
 
-from kvwire.compat.vllm.registration import with_token
-from kvwire.submit.notifications import MAX_NOTIFICATION_BYTES
+from kvwire.hosts.vllm.registration import with_token
+from kvwire.spec.notifications import MAX_NOTIFICATION_BYTES
 
 __all__ = ["FailureNotice", "failure_notice_for", "parse_failure_notice"]
 
@@ -38,7 +38,7 @@ def failure_notice_for(
 ) -> bytes:
     """The notice that the write of ``decode_request_id``'s blocks failed, ``reason`` cut to fit a notification;
     tagged with the registration's ``token`` when it carried one
-    (:func:`~kvwire.compat.vllm.registration.with_token`)."""
+    (:func:`~kvwire.hosts.vllm.registration.with_token`)."""
 
     def encode(why: str) -> bytes:
         body = {"request": decode_request_id, "rank": prefill_rank, "reason": why}

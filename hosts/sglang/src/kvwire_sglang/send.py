@@ -19,7 +19,6 @@ from typing import List, Optional  # noqa: UP035 - sglang's annotations, verbati
 import numpy as np
 import numpy.typing as npt
 
-from kvwire.compat.sglang.layout import sglang_layer_ids
 from kvwire.connection import Connection
 from kvwire.errors import (
     InvalidTransferError,
@@ -29,10 +28,11 @@ from kvwire.errors import (
     UnsupportedFeatureError,
 )
 from kvwire.planning.pairing import layer_id_list
+from kvwire_sglang.layout import sglang_layer_ids
 
 __all__ = ["REFUSED", "STATUS_CODES", "FailedSessions", "KvwireSendMixin", "SglangSender", "note_status", "status_of"]
 
-log = logging.getLogger("kvwire.compat.sglang")
+log = logging.getLogger("kvwire.sglang")
 
 #: The status of a send kvwire refused for the caller's own input: the peer was never contacted.
 REFUSED = -22

@@ -1,6 +1,6 @@
 """What the scheduler side tells the worker side each step (vLLM's ``KVConnectorMetadata`` payload).
 
-Plain data, no vLLM types: :class:`~kvwire.compat.vllm.connector.KvwireConnectorMetadata` wraps one
+Plain data, no vLLM types: :class:`~kvwire.hosts.vllm.connector.KvwireConnectorMetadata` wraps one
 :class:`StepMetadata`. In one engine the scheduler and the workers may be different processes, so it
 holds only ints, strings and tuples (vLLM pickles it).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvwire.compat.vllm.params import RemotePrefill
+from kvwire.hosts.vllm.params import RemotePrefill
 
 __all__ = ["ReadyToSend", "StepMetadata", "ToReceive"]
 

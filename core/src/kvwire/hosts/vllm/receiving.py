@@ -1,14 +1,14 @@
 """The decode worker's side: register a request's blocks with its prefill, then learn they arrived or failed.
 
-For each :class:`~kvwire.compat.vllm.metadata.ToReceive` the worker checks the
+For each :class:`~kvwire.hosts.vllm.metadata.ToReceive` the worker checks the
 block ids (the decode's own against its cache; the prefill's count against its
 own), maps them (block ``i`` of the prefill's tail lands on block ``i`` of the
 decode's: prefix-cache hits here shorten the decode's list) and sends a
-:class:`~kvwire.compat.vllm.registration.Registration` to the prefill worker of
+:class:`~kvwire.hosts.vllm.registration.Registration` to the prefill worker of
 its TP rank. The request is done when the prefill's arrival notification comes
 (the bytes are in place by then), and failed when the prefill refuses, cannot be
 reached, sends a failure notice for a write it had accepted
-(:mod:`~kvwire.compat.vllm.notices`), or nothing arrives within
+(:mod:`~kvwire.hosts.vllm.notices`), or nothing arrives within
 ``load_timeout_s``: then it is reported in ``finished_recving`` and its blocks
 by ``get_block_ids_with_load_errors`` in the same step, as vLLM asks.
 
@@ -30,26 +30,26 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvwire.compat.vllm.channel import RegistrationClient, ReplyCallback
-from kvwire.compat.vllm.metadata import ToReceive
-from kvwire.compat.vllm.notices import FailureNotice, parse_failure_notice
-from kvwire.compat.vllm.rank import KEPT_FAILURES, WorkerRank
-from kvwire.compat.vllm.registration import (
+from kvwire.connection.watcher import Arrival, NotificationWatcher
+from kvwire.errors import InvalidTransferError
+from kvwire.hosts.vllm.channel import RegistrationClient, ReplyCallback
+from kvwire.hosts.vllm.metadata import ToReceive
+from kvwire.hosts.vllm.notices import FailureNotice, parse_failure_notice
+from kvwire.hosts.vllm.rank import KEPT_FAILURES, WorkerRank
+from kvwire.hosts.vllm.registration import (
     Registration,
     new_token,
     parse_notification,
     split_token,
     token_matches,
 )
-from kvwire.errors import InvalidTransferError
 from kvwire.layout.buffers import LayoutError
 from kvwire.layout.peer import PeerDescription
 from kvwire.planning.head_slicing import senders
-from kvwire.submit.watcher import Arrival, NotificationWatcher
 
 __all__ = ["Receiver"]
 
-log = logging.getLogger("kvwire.compat.vllm")
+log = logging.getLogger("kvwire.hosts.vllm")
 
 
 @dataclass

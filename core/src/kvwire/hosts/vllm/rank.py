@@ -6,9 +6,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvwire.compat.vllm.layout import VllmLayout
-from kvwire.compat.vllm.telemetry import TransferStats
 from kvwire.connection.connection import Connection
+from kvwire.hosts.vllm.layout import VllmLayout
+from kvwire.hosts.vllm.telemetry import TransferStats
 
 __all__ = ["KEPT_FAILURES", "WorkerRank"]
 

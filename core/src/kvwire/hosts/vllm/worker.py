@@ -1,7 +1,7 @@
 """The worker side of the connector: the kvwire connection, and the sender or receiver behind vLLM's hooks.
 
 ``register_kv_caches`` maps vLLM's tensors to a layout
-(:func:`~kvwire.compat.vllm.layout.layout_from_kv_caches`), connects the backend
+(:func:`~kvwire.hosts.vllm.layout.layout_from_kv_caches`), connects the backend
 named in the settings (validated by kvwire as it loads) and registers the
 buffers. A producer then serves registrations on its side channel
 (``side_channel_port + tp_rank``); a consumer watches arrival notifications.
@@ -14,23 +14,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from kvwire.compat.activation import activation_line
-from kvwire.compat.vllm.channel import RegistrationClient, RegistrationServer
-from kvwire.compat.vllm.layout import KVTensor, VllmLayout, layout_from_kv_caches
-from kvwire.compat.vllm.metadata import StepMetadata
-from kvwire.compat.vllm.rank import WorkerRank
-from kvwire.compat.vllm.receiving import Receiver
-from kvwire.compat.vllm.sending import Sender
-from kvwire.compat.vllm.settings import EngineSide
-from kvwire.compat.vllm.telemetry import StatsData, TransferStats
 from kvwire.connection.connection import Connection
 from kvwire.control.auth import load_key
 from kvwire.errors import ConfigError
+from kvwire.hosts.activation import activation_line
+from kvwire.hosts.vllm.channel import RegistrationClient, RegistrationServer
+from kvwire.hosts.vllm.layout import KVTensor, VllmLayout, layout_from_kv_caches
+from kvwire.hosts.vllm.metadata import StepMetadata
+from kvwire.hosts.vllm.rank import WorkerRank
+from kvwire.hosts.vllm.receiving import Receiver
+from kvwire.hosts.vllm.sending import Sender
+from kvwire.hosts.vllm.settings import EngineSide
+from kvwire.hosts.vllm.telemetry import StatsData, TransferStats
 from kvwire.registry.manager import connect
 
 __all__ = ["WorkerSide"]
 
-log = logging.getLogger("kvwire.compat.vllm")
+log = logging.getLogger("kvwire.hosts.vllm")
 
 
 class WorkerSide:

@@ -16,13 +16,13 @@ and imports nothing of sglang. In both roles:
 - ``teardown`` also closes the connection.
 
 Decode role: ``build_receiver_registration_message`` appends the layout frame
-(:mod:`kvwire.compat.sglang.registration`). Prefill role: the registration
+(:mod:`kvwire_sglang.registration`). Prefill role: the registration
 receiver notes that frame, and ``_publish_peer_registration`` (sglang's step
 that records a decode's registration) adds the decode as a kvwire peer under
 its session id, after checking that the frame's buffers are the pointers sglang
 registered. A decode without the frame (no kvwire on that side) is logged and
 left unknown to kvwire: its sends are refused (status -22), never sent blind.
-``send_kvcache`` is :class:`~kvwire.compat.sglang.send.KvwireSendMixin`'s, and
+``send_kvcache`` is :class:`~kvwire_sglang.send.KvwireSendMixin`'s, and
 ``send_kvcache_slice`` (MHA across attention-TP sizes) goes through it too:
 kvwire plans the head slices from the two published layouts.
 """
@@ -38,15 +38,15 @@ from typing import Any, ClassVar, Final, List, Optional  # noqa: UP035 - sglang'
 import numpy as np
 import numpy.typing as npt
 
-from kvwire.compat.activation import activation_line
-from kvwire.compat.sglang.layout import layout_from_kv_args
-from kvwire.compat.sglang.registration import layout_frame, layout_from_frames
-from kvwire.compat.sglang.send import REFUSED, FailedSessions, KvwireSendMixin, note_status
 from kvwire.config import ResolvedConfig, resolve_config
 from kvwire.errors import KvwireError
+from kvwire.hosts.activation import activation_line
 from kvwire.layout.buffers import HeadLayout, LayoutError, MemoryKind
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.registry.manager import connect, default_registry
+from kvwire_sglang.layout import layout_from_kv_args
+from kvwire_sglang.registration import layout_frame, layout_from_frames
+from kvwire_sglang.send import REFUSED, FailedSessions, KvwireSendMixin, note_status
 
 __all__ = ["PLAIN_BACKEND", "SPLIT_BACKEND", "KvwireManagerMixin", "default_backend", "heads_of_kv_args", "peer_heads"]
 
@@ -55,7 +55,7 @@ PLAIN_BACKEND: Final = "mooncake"
 #: The same transport plus split host/device destinations (kvwire-hisparse), preferred when installed.
 SPLIT_BACKEND: Final = "hisparse"
 
-log = logging.getLogger("kvwire.compat.sglang")
+log = logging.getLogger("kvwire.sglang")
 
 
 def heads_of_kv_args(kv_args: Any) -> HeadLayout | None:
@@ -116,7 +116,7 @@ def sglang_metrics(server_args: Any, backend: str) -> list[object]:
 
 
 def sglang_activation_line(connection: Any, server_args: Any, layout: KVLayout, resolved: ResolvedConfig) -> str:
-    """The one line a scheduler logs when kvwire carries its KV (:func:`kvwire.compat.activation.activation_line`)."""
+    """The one line a scheduler logs when kvwire carries its KV (:func:`kvwire.hosts.activation.activation_line`)."""
     role = str(getattr(server_args, "disaggregation_mode", "?"))
     detail = (
         f"{layout.attention} layout of {len(layout.buffers)} buffers, "
@@ -163,7 +163,7 @@ class KvwireManagerMixin(KvwireSendMixin):
 
     @property
     def failed_sessions(self) -> FailedSessions:
-        """sglang's blacklist of decode sessions, as a :class:`~kvwire.compat.sglang.send.FailedSessions`.
+        """sglang's blacklist of decode sessions, as a :class:`~kvwire_sglang.send.FailedSessions`.
 
         sglang's constructor assigns a plain set (prefill role); this property keeps it as one that
         does not blacklist a session for a send kvwire refused for its input (status -22).
@@ -197,7 +197,7 @@ class KvwireManagerMixin(KvwireSendMixin):
         An MHA layout records its heads (:func:`heads_of_kv_args`), so that kvwire can move head
         slices between different attention-TP sizes. Draft-model KV (``kv_args.num_draft_entries``)
         becomes layers of its own after the target's, numbered as sglang numbers them (see
-        :func:`~kvwire.compat.sglang.layout.layout_from_kv_args`); the buffers of a HiSparse decode
+        :func:`~kvwire_sglang.layout.layout_from_kv_args`); the buffers of a HiSparse decode
         are labelled as sglang labels them (:meth:`kvwire_memory_kinds`).
         """
         a = self.kv_args

@@ -7,7 +7,7 @@ the other), ``layers`` (the decode's layer names, which must be the prefill's),
 ``tp_rank`` and ``tp_size``, ``valid_for_s`` (how much longer the decode waits: a
 write that could not end by then is not started, since the decode frees its blocks
 when it stops waiting), ``block_order`` (how the decode's blocks hold their bytes,
-:data:`~kvwire.compat.vllm.layout.BLOCK_ORDERS`; optional, ``"head-major"`` when
+:data:`~kvwire.hosts.vllm.layout.BLOCK_ORDERS`; optional, ``"head-major"`` when
 absent, the only order earlier decodes had: whole blocks move only between the
 same order), and ``peer``: the decode's
 :class:`kvwire.PeerDescription` (its backend endpoint and KV layout). It comes
@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
-from kvwire.compat.vllm.layout import BLOCK_ORDERS, BlockOrder
 from kvwire.errors import InvalidTransferError
+from kvwire.hosts.vllm.layout import BLOCK_ORDERS, BlockOrder
 from kvwire.layout.peer import PeerDescription
 
 __all__ = [

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from kvwire.records import LastRecord
-from kvwire.submit.notifications import MAX_UNPOLLED_NOTIFICATIONS
+from kvwire.spec.notifications import MAX_UNPOLLED_NOTIFICATIONS
 
 __all__ = ["Inbox", "PollRecord", "mark_poll", "poll_since"]
 

@@ -2,12 +2,12 @@
 
 Two things must meet, in either order: the scheduler's word that a request
 finished and which blocks hold it (:meth:`Sender.mark_ready`, from the step's
-metadata) and the decode's :class:`~kvwire.compat.vllm.registration.Registration`
+metadata) and the decode's :class:`~kvwire.hosts.vllm.registration.Registration`
 (:meth:`Sender.handle`, on the side channel's thread). Then one
 ``submit_kvcache`` writes every layer's blocks, with the decode's request id as
 the arrival notification, and the request is reported in ``finished_sending``
 when the write ends (vLLM then frees the blocks). A write that fails sends the
-decode a failure notice (:mod:`~kvwire.compat.vllm.notices`), so the decode frees
+decode a failure notice (:mod:`~kvwire.hosts.vllm.notices`), so the decode frees
 its blocks at once. A request nobody registers for within the lease is reported
 all the same, so its blocks are freed.
 
@@ -19,11 +19,11 @@ block id against the two layouts, and that the prefill block ids are the ones th
 
 Equal TP sizes: rank ``r`` writes decode rank ``r``'s whole blocks. Different
 TP sizes (both layouts record their heads, see
-:func:`~kvwire.compat.vllm.layout.layout_from_kv_caches`): this rank accepts a
+:func:`~kvwire.hosts.vllm.layout.layout_from_kv_caches`): this rank accepts a
 decode rank routed to it (:func:`kvwire.planning.head_slicing.senders`) and
 writes the heads the two share, one run per block (nothing, for a replica of a
 head another sender covers); its notification names this rank
-(:func:`~kvwire.compat.vllm.registration.notification_for`), since the decode
+(:func:`~kvwire.hosts.vllm.registration.notification_for`), since the decode
 waits for every one of its senders.
 """
 
@@ -38,17 +38,17 @@ from typing import Any, Final
 
 import numpy as np
 
-from kvwire.compat.vllm.layout import BLOCK_ORDERS
-from kvwire.compat.vllm.metadata import ReadyToSend
-from kvwire.compat.vllm.notices import failure_notice_for
-from kvwire.compat.vllm.rank import KEPT_FAILURES, WorkerRank
-from kvwire.compat.vllm.registration import Registration, notification_for, with_token
 from kvwire.errors import InvalidTransferError, KvwireError
+from kvwire.hosts.vllm.layout import BLOCK_ORDERS
+from kvwire.hosts.vllm.metadata import ReadyToSend
+from kvwire.hosts.vllm.notices import failure_notice_for
+from kvwire.hosts.vllm.rank import KEPT_FAILURES, WorkerRank
+from kvwire.hosts.vllm.registration import Registration, notification_for, with_token
 from kvwire.planning.head_slicing import senders, slicing_of
 
 __all__ = ["MAX_REMEMBERED", "MAX_WAITING", "Sender"]
 
-log = logging.getLogger("kvwire.compat.vllm")
+log = logging.getLogger("kvwire.hosts.vllm")
 
 #: Seconds kept between a write's latest end and the moment its decode stops waiting (message delays).
 _MARGIN_S = 1.0

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Final
 
 from kvwire.config import check_seconds
 from kvwire.errors import ConfigError, TransferTimeoutError
-from kvwire.submit.notifications import Notification
+from kvwire.spec.notifications import Notification
 
 if TYPE_CHECKING:
     from kvwire.connection import Connection
