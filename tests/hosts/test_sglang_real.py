@@ -272,7 +272,7 @@ def test_device_kv_indices_on_plain_kvwire_mooncake_are_refused_with_the_install
         "dst_device_kv_indices; nothing was sent. Use a backend that supports it (pip install kvwire-hisparse)"
     )
     session = call["session"]
-    logged = [line.split(": ", 1)[1] for line in prefill["errors_logged"] if " kvwire_sglang: " in line]
+    logged = [line.split(": ", 1)[1] for line in prefill["errors_logged"] if " kvwire.sglang: " in line]
     assert logged == [
         f"kvwire: decode session {session} is a HiSparse split destination (host and device buffers), but backend "
         "'mooncake' cannot address device buffers: its sends are refused (status -22); install kvwire-hisparse on "
