@@ -25,6 +25,7 @@ import kvwire
 from kvwire import BackendConfig, ConfigError, KVLayout, resolve_config
 from kvwire.hosts.vllm.settings import ConnectorSettings
 from kvwire_sglang.manager import KvwireManagerMixin
+from kvwire_sglang.registration import Published
 
 KVWIRE = [sys.executable, "-m", "kvwire"]
 BAD_TIMEOUT = "$KVWIRE_TIMEOUT_S='five' is not a number; write e.g. KVWIRE_TIMEOUT_S=5"
@@ -278,7 +279,8 @@ def test_whatever_a_decode_registers_sglangs_hook_returns_its_verdict(
     manager: Any = _Prefill()
     manager.kvwire_connection = kvwire.connect("local", BackendConfig())
     manager._kvwire_lock = threading.Lock()
-    manager._kvwire_registered = {session: KVLayout.mla([pool])}
+    manager._kvwire_registered = {session: Published(KVLayout.mla([pool]), session, None)}
+    manager._kvwire_endpoints = {}
     try:
         with caplog.at_level(logging.ERROR, logger="kvwire"):
             verdict = manager._publish_peer_registration(session, SimpleNamespace(dst_kv_ptrs=ptrs))

@@ -31,6 +31,9 @@ SGLANG="sglang==0.5.23"
 TORCH_WHEEL="${TORCH_WHEEL:-/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl}"
 # Same distribution and version as in the repo's .venv (the CPU build of the Mooncake Transfer Engine).
 MOONCAKE_ENGINE="${MOONCAKE_ENGINE:-mooncake-transfer-engine-non-cuda==0.3.13.post1}"
+# NIXL's engine, for sglang serving through kvwire-nixl (KVWIRE_SGLANG_BACKEND=nixl); without its deps, as the
+# repository's .venv installs it: its unpinned torch would pull a CUDA build over sglang's CPU torch.
+NIXL_ENGINE="${NIXL_ENGINE:-nixl-cu12==1.5.1}"
 BOOTSTRAP=(pip==26.3 setuptools==84.2.1)  # setuptools>=77 builds kvwire's pyproject without isolation
 REQUIREMENTS="$HERE/requirements.txt"
 STUB="$HERE/torchvision_stub"
@@ -42,7 +45,7 @@ LABEL="sglang venv"
 PROBE="sglang"
 REPO_HOSTS="$(cd "$HERE/.." && pwd)"
 stamp_inputs() {
-    printf '%s\n' "$SGLANG" "$TORCH_WHEEL" "$MOONCAKE_ENGINE" "${BOOTSTRAP[@]}"
+    printf '%s\n' "$SGLANG" "$TORCH_WHEEL" "$MOONCAKE_ENGINE" "$NIXL_ENGINE" "${BOOTSTRAP[@]}"
     cat "$REQUIREMENTS"
     for stub in "$STUB" "$KERNEL_STUB"; do
         (cd "$stub" && find . -type f \( -name '*.py' -o -name '*.toml' \) -not -path '*/build/*' | LC_ALL=C sort | xargs cat)
@@ -68,12 +71,14 @@ for stub in "$STUB" "$KERNEL_STUB"; do
 done
 pip_install "$MOONCAKE_ENGINE"
 check_pin_against_repo "$MOONCAKE_ENGINE"
+pip_install --no-deps "$NIXL_ENGINE"
+check_pin_against_repo "$NIXL_ENGINE"
 pip_install --no-build-isolation -e "$REPO/core" -e "$REPO/plugins/mooncake" -e "$REPO/plugins/hisparse" \
-    -e "$REPO/hosts/sglang"
+    -e "$REPO/plugins/nixl" -e "$REPO/hosts/sglang"
 
 # Fail here, not in the tests, if the chain no longer imports.
 SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -W ignore -c "import sglang.srt.disaggregation.mooncake.conn, kvwire, \
-kvwire_mooncake, kvwire_hisparse, sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler, \
+kvwire_mooncake, kvwire_hisparse, kvwire_nixl, nixl_cu12, sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler, \
 sglang.srt.managers.tokenizer_manager, sglang.srt.managers.detokenizer_manager, sglang_router.launch_router" \
     || die 1 "import check failed in $VENV"
 

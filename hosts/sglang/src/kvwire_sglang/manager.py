@@ -12,7 +12,11 @@ and imports nothing of sglang. In both roles:
   layout from ``kv_args`` (draft-model KV as layers after the target's; a
   HiSparse decode's target buffers ``host``, its draft's ``device``), on the
   ``hisparse`` backend when kvwire-hisparse is installed, else ``mooncake``
-  (:func:`default_backend`);
+  (:func:`default_backend`). With :data:`BACKEND_ENV` naming another backend
+  (``nixl``, a third party's), kvwire opens that backend's own engine instead,
+  registers sglang's KV memory with it, and each decode publishes that engine's
+  endpoint: the same sends, on another transport (sglang's bootstrap,
+  registration and auxiliary transfers stay on sglang's engine);
 - ``teardown`` also closes the connection.
 
 Decode role: ``build_receiver_registration_message`` appends the layout frame
@@ -33,7 +37,7 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Final, List, Optional  # noqa: UP035 - sglang's annotations, verbatim
+from typing import Any, ClassVar, List, Optional  # noqa: UP035 - sglang's annotations, verbatim
 
 import numpy as np
 import numpy.typing as npt
@@ -43,17 +47,28 @@ from kvwire.errors import KvwireError
 from kvwire.hosts.activation import activation_line
 from kvwire.layout.buffers import HeadLayout, LayoutError, MemoryKind
 from kvwire.layout.kv_layout import KVLayout
-from kvwire.registry.manager import connect, default_registry
+from kvwire.registry.manager import connect
+from kvwire_sglang.backends import (
+    BACKEND_ENV,
+    PLAIN_BACKEND,
+    SPLIT_BACKEND,
+    chosen_backend,
+    default_backend,
+)
 from kvwire_sglang.layout import layout_from_kv_args
-from kvwire_sglang.registration import layout_frame, layout_from_frames
+from kvwire_sglang.registration import Published, layout_frame, published_from_frames
 from kvwire_sglang.send import REFUSED, FailedSessions, KvwireSendMixin, note_status
 
-__all__ = ["PLAIN_BACKEND", "SPLIT_BACKEND", "KvwireManagerMixin", "default_backend", "heads_of_kv_args", "peer_heads"]
-
-#: The backend that serves every decode but a HiSparse one (kvwire-mooncake).
-PLAIN_BACKEND: Final = "mooncake"
-#: The same transport plus split host/device destinations (kvwire-hisparse), preferred when installed.
-SPLIT_BACKEND: Final = "hisparse"
+__all__ = [
+    "BACKEND_ENV",
+    "PLAIN_BACKEND",
+    "SPLIT_BACKEND",
+    "KvwireManagerMixin",
+    "chosen_backend",
+    "default_backend",
+    "heads_of_kv_args",
+    "peer_heads",
+]
 
 log = logging.getLogger("kvwire.sglang")
 
@@ -125,32 +140,24 @@ def sglang_activation_line(connection: Any, server_args: Any, layout: KVLayout, 
     return activation_line(connection, "sglang", role, detail, resolved)
 
 
+def _engine_of(backend: str | None) -> str:
+    return "sglang's Mooncake engine" if backend is None else f"backend {backend!r}'s own engine"
+
+
 def _said(exc: Exception) -> str:
     """A kvwire error's message; anything else with its type (it came from a peer's input kvwire did not expect)."""
     return str(exc) if isinstance(exc, KvwireError) else f"{type(exc).__name__}: {exc}"
 
 
-def default_backend() -> str:
-    """``hisparse`` when kvwire-hisparse is installed and allowed, else ``mooncake``.
-
-    kvwire-hisparse is kvwire-mooncake's transport (the same options, the same engine) plus
-    split host/device destinations (``dst_device_kv_indices``), which a HiSparse decode needs;
-    so a prefill takes it whenever it can and serves both kinds of decode.
-    """
-    try:
-        default_registry().get(SPLIT_BACKEND)
-    except KvwireError as exc:
-        log.info("kvwire: backend %r not usable (%s); using %r", SPLIT_BACKEND, exc, PLAIN_BACKEND)
-        return PLAIN_BACKEND
-    return SPLIT_BACKEND
-
-
 class KvwireManagerMixin(KvwireSendMixin):
     """sglang's Mooncake KV manager, sending KV pages through kvwire (see the module docstring)."""
 
-    #: The kvwire backend that drives sglang's engine (it must accept ``options={"engine": ...,
-    #: "host_registered": True}``); None: :func:`default_backend` (``hisparse`` when installed, else ``mooncake``).
+    #: A kvwire backend that drives sglang's engine (it must accept ``options={"engine": ...,
+    #: "host_registered": True}``); None: :func:`chosen_backend` (:data:`BACKEND_ENV`, whose backends other than
+    #: ``mooncake`` and ``hisparse`` open an engine of their own; else ``hisparse`` when installed, else ``mooncake``).
     kvwire_backend: ClassVar[str | None] = None
+    #: The endpoint of kvwire's own engine, published to the prefill (None: kvwire drives sglang's engine).
+    kvwire_endpoint: str | None = None
 
     kvwire_layout: KVLayout
     # sglang's attributes this mixin reads (set by sglang's CommonKVManager / MooncakeKVManager)
@@ -177,15 +184,20 @@ class KvwireManagerMixin(KvwireSendMixin):
     def init_engine(self) -> None:
         super().init_engine()  # type: ignore[misc]  # sglang's: self.engine, the shared Mooncake engine
         self._kvwire_lock = threading.Lock()
-        self._kvwire_registered: dict[str, KVLayout] = {}
+        self._kvwire_registered: dict[str, Published] = {}
+        self._kvwire_endpoints: dict[str, str] = {}  # sglang's decode session id -> where kvwire reaches it
         self.kvwire_layout = self.kvwire_local_layout()
-        # kvwire's configuration ($KVWIRE_CONFIG, KVWIRE_*), under what sglang decides: its own engine, its memory
-        resolved = resolve_config(options={"engine": self.engine.engine, "host_registered": True})
+        if self.kvwire_backend is not None:
+            backend, shared = self.kvwire_backend, True
+        else:
+            backend, shared = chosen_backend()
+        # kvwire's configuration ($KVWIRE_CONFIG, KVWIRE_*), under what sglang decides: its engine, its memory
+        resolved = resolve_config(options={"engine": self.engine.engine, "host_registered": True} if shared else None)
         config = resolved.config
-        backend = self.kvwire_backend or default_backend()
         self.kvwire_connection = connect(backend, config, middleware=sglang_metrics(self.server_args, backend))
         try:
-            self.kvwire_connection.register_kv_buffers(self.kvwire_layout)
+            self.kvwire_connection.register_kv_buffers(self.kvwire_layout)  # own engine: registers sglang's pools
+            self.kvwire_endpoint = None if shared else self.kvwire_connection.endpoint()
         except BaseException:
             self.kvwire_connection.close()
             raise
@@ -282,7 +294,7 @@ class KvwireManagerMixin(KvwireSendMixin):
         The decode's published layout records its TP size, rank and heads; a ``dst_tp_rank`` that is
         not the rank it published is refused (status -22) before any byte moves.
         """
-        peer = self.kvwire_connection.peer_layout(mooncake_session_id)
+        peer = self.kvwire_connection.peer_layout(self.kvwire_endpoint_of(mooncake_session_id))
         if peer is not None and peer.attn_tp_rank is not None and peer.attn_tp_rank != dst_tp_rank:
             log.error(
                 "kvwire send_kvcache_slice to session %s refused (status -22): dst_tp_rank = %d, but the "
@@ -309,7 +321,9 @@ class KvwireManagerMixin(KvwireSendMixin):
     def build_receiver_registration_message(self) -> list[bytes]:
         frames: list[bytes] = super().build_receiver_registration_message()  # type: ignore[misc]
         session_id = frames[3].decode("ascii")
-        return [*frames, layout_frame(session_id, self.kvwire_layout)]
+        own = self.kvwire_endpoint
+        backend = self.kvwire_connection.name if own is not None else None
+        return [*frames, layout_frame(session_id, self.kvwire_layout, own, backend)]
 
     # -- prefill role: wire each registering decode as a kvwire peer ------------------------
 
@@ -327,21 +341,25 @@ class KvwireManagerMixin(KvwireSendMixin):
     def _kvwire_note_registration(self, frames: Sequence[bytes]) -> None:
         session_id = bytes(frames[3]).decode("ascii", "replace")
         try:
-            layout = layout_from_frames(frames, session_id)
+            published = published_from_frames(frames, session_id)
         except Exception as exc:  # whatever a peer sends, sglang's bootstrap thread goes on
             log.error("kvwire: decode session %.200s sent a layout kvwire refuses: %s", session_id, _said(exc))
             return
-        if layout is not None:
+        if published is not None:
             with self._kvwire_lock:
-                self._kvwire_registered[session_id] = layout
+                self._kvwire_registered[session_id] = published
 
     def _publish_peer_registration(self, mooncake_session_id: str, decode_kv_args: Any) -> Any:
         verdict = super()._publish_peer_registration(mooncake_session_id, decode_kv_args)  # type: ignore[misc]
         with self._kvwire_lock:
             published = self._kvwire_registered.pop(mooncake_session_id, None)
         try:
-            peer = self._kvwire_peer(published, decode_kv_args)
-            self.kvwire_connection.add_peer(mooncake_session_id, peer)
+            endpoint, peer = self._kvwire_peer(published, decode_kv_args)
+            with self._kvwire_lock:
+                self._kvwire_endpoints.pop(mooncake_session_id, None)
+            self.kvwire_connection.add_peer(endpoint, peer)
+            with self._kvwire_lock:
+                self._kvwire_endpoints[mooncake_session_id] = endpoint
             if peer.is_split and "device_kv_indices" not in self.kvwire_connection.capabilities:
                 log.error(
                     "kvwire: decode session %s is a HiSparse split destination (host and device buffers), but "
@@ -354,13 +372,19 @@ class KvwireManagerMixin(KvwireSendMixin):
             # whatever the decode registered, sglang's bootstrap thread goes on (a peer's input never raises here)
             log.error("kvwire: decode session %.200s: %s; sends to it are refused", mooncake_session_id, _said(exc))
             try:
-                self.kvwire_connection.remove_peer(mooncake_session_id)
+                self.kvwire_connection.remove_peer(self.kvwire_endpoint_of(mooncake_session_id))
             except Exception as gone:  # a session id kvwire refuses was never added: nothing to forget
                 log.debug("kvwire: decode session %.200s not forgotten: %s", mooncake_session_id, gone)
         return verdict
 
-    def _kvwire_peer(self, published: KVLayout | None, decode_kv_args: Any) -> KVLayout:
-        """The layout a decode published, checked against what it registered with sglang; LayoutError if unusable.
+    def kvwire_endpoint_of(self, session_id: str) -> str:
+        """Where kvwire reaches sglang's decode session ``session_id`` (the one it published, once added)."""
+        endpoints: dict[str, str] = getattr(self, "_kvwire_endpoints", {})
+        return endpoints.get(session_id, session_id)  # one dict read: atomic, no lock on the send path
+
+    def _kvwire_peer(self, published: Published | None, decode_kv_args: Any) -> tuple[str, KVLayout]:
+        """(where kvwire reaches the decode, its layout), checked against what it registered with sglang and
+        against this side's engine; LayoutError if unusable.
 
         A decode rank that published no heads gets them derived as sglang does (:func:`peer_heads`).
         """
@@ -369,18 +393,24 @@ class KvwireManagerMixin(KvwireSendMixin):
                 "registered without a kvwire layout (install kvwire-sglang on the decode side and enable it: "
                 "SGLANG_PLUGINS=kvwire)"
             )
+        ours = self.kvwire_connection.name if self.kvwire_endpoint is not None else None
+        if published.backend != ours:
+            raise LayoutError(
+                f"the decode's kvwire runs on {_engine_of(published.backend)}, this prefill's on {_engine_of(ours)}: "
+                f"set {BACKEND_ENV} to the same backend on both sides"
+            )
         registered = [int(p) for p in decode_kv_args.dst_kv_ptrs]
-        bases = [b.base for b in published.buffers]
+        bases = [b.base for b in published.layout.buffers]
         if registered != bases:
             raise LayoutError(
                 f"published buffers at {[hex(p) for p in bases[:8]]} but registered dst_kv_ptrs "
                 f"{[hex(p) for p in registered[:8]]} with sglang"
             )
-        local = self.kvwire_layout
-        if published.heads is None and local.heads is not None and published.attention == "mha":
-            heads = peer_heads(local.heads, published)
-            return KVLayout(published.buffers, published.attn_tp_size, published.attn_tp_rank, heads)
-        return published
+        layout, local = published.layout, self.kvwire_layout
+        if layout.heads is None and local.heads is not None and layout.attention == "mha":
+            heads = peer_heads(local.heads, layout)
+            return published.endpoint, KVLayout(layout.buffers, layout.attn_tp_size, layout.attn_tp_rank, heads)
+        return published.endpoint, layout
 
     def teardown(self) -> None:
         try:

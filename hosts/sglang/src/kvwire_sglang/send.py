@@ -117,7 +117,7 @@ class KvwireSendMixin:
         """0 when every page arrived; a non-zero status from :data:`STATUS_CODES` when kvwire refused or failed."""
         try:
             self.kvwire_connection.send_kvcache(
-                mooncake_session_id,
+                self.kvwire_endpoint_of(mooncake_session_id),
                 prefill_kv_indices,
                 dst_kv_ptrs,
                 dst_kv_indices,
@@ -140,6 +140,11 @@ class KvwireSendMixin:
             return note_status(mooncake_session_id, status)
         return note_status(mooncake_session_id, 0)
 
+    def kvwire_endpoint_of(self, session_id: str) -> str:
+        """Where kvwire reaches sglang's decode session ``session_id``: the session id itself, when kvwire
+        rides sglang's Mooncake engine; the endpoint of kvwire's own engine otherwise (the manager overrides)."""
+        return session_id
+
     def kvwire_dst_layer_ids(self, session_id: str, dst_layer_ids: Sequence[int] | None) -> list[int] | None:
         """kvwire's ``dst_layer_ids`` (one per local layer, or None: same layer numbers) for sglang's.
 
@@ -154,7 +159,7 @@ class KvwireSendMixin:
         if dst_layer_ids is None:
             return None
         ids = layer_id_list("dst_layer_ids", dst_layer_ids)
-        peer = self.kvwire_connection.peer_layout(session_id) if ids else None
+        peer = self.kvwire_connection.peer_layout(self.kvwire_endpoint_of(session_id)) if ids else None
         if peer is not None and ids == [b.layer for b in peer.buffers]:
             return None
         return sglang_layer_ids(ids)
