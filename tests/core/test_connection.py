@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from held_submit import PAGE_BYTES, ids
 
 import kvwire
 from kvwire import KVBuffer, KVLayout
@@ -263,3 +264,29 @@ def test_different_attention_tp_needs_head_slicing_before_the_first_send(registr
     with kvwire.connect("local") as local_conn:  # the shipped backends have it, through the base
         local_conn.register_kv_buffers(local)
         local_conn.add_peer("p", peer)
+
+
+# -- what a backend returns ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_a_bool_returned_as_bytes_moved_is_a_backend_error(flag: bool) -> None:
+    registry = kvwire.Registry(allow=["local"], policy="strict")
+    registry.register("flag", type("ReturnsFlag", (ReturnsStatus,), {"returns": flag}))
+    layout = KVLayout((KVBuffer(4096, PAGE_BYTES, 16, 0, "kv"),))  # the recorder moves nothing: no memory needed
+    with registry.connect("flag") as conn:
+        conn.register_kv_buffers(layout)
+        conn.add_peer("p", layout)
+        with pytest.raises(kvwire.BackendError) as exc:
+            conn.send_kvcache("p", ids(1), [4096], ids(1))
+        assert str(exc.value) == (
+            f"backend 'flag': send_kvcache returned {flag}; the spec requires the bytes moved (an int >= 0) "
+            "and failures raised as kvwire.TransferError"
+        )
+        future = conn.submit_kvcache("p", ids(1), [4096], ids(1))  # the core's pool runs the same hook
+        with pytest.raises(kvwire.BackendError) as exc:
+            future.result(timeout=10)
+        assert str(exc.value) == (
+            f"backend 'flag': send_kvcache returned {flag}; the spec requires the bytes moved (an int >= 0) "
+            "and failures raised as kvwire.TransferError"
+        )

@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 
+import kvwire
 from kvwire import KVBuffer, KVLayout, LayoutError
 from kvwire.layout.buffers import HeadLayout
 
@@ -202,3 +203,17 @@ def test_head_major_pages_travel_in_the_description_and_only_as_a_bool() -> None
     with pytest.raises(LayoutError) as exc:
         PeerDescription.from_dict(wire)
     assert "heads has missing fields [] / unknown fields ['major']" in str(exc.value)
+
+
+# -- layout: a buffer may end at 2**63 - 1, not past it ----------------------------------------------------------------
+
+
+def test_a_buffer_may_end_exactly_at_the_address_limit_and_not_one_byte_past() -> None:
+    last = 2**63 - 1 - 64 * 4  # base + 4 pages ends at 2**63 - 1
+    assert KVBuffer(last, 64, 4, 0).end == 2**63 - 1
+    with pytest.raises(kvwire.LayoutError) as exc:
+        KVBuffer(last + 1, 64, 4, 0)
+    assert str(exc.value) == (
+        f"KVBuffer.base + page_bytes * num_pages = {last + 1:#x} + 64 * 4 ends past 2**63 - 1: "
+        "not an address range of this platform"
+    )

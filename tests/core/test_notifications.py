@@ -8,6 +8,7 @@ from concurrent.futures import Future
 
 import numpy as np
 import pytest
+from held_submit import Memory
 
 import kvwire
 from kvwire.registry.findings import BackendOrigin
@@ -220,3 +221,31 @@ def test_notifications_that_arrived_before_the_watcher_are_kept(
     with kvwire.NotificationWatcher(receiver) as watcher:  # its first poll finds "early": kept, not dropped
         sender.send_notification(endpoint, b"late")
         assert [a.notification.message for a in watcher.wait(2, 10.0)] == [b"early", b"late"]
+
+
+# -- NotificationWatcher -----------------------------------------------------------------------------------------------
+
+
+def test_the_notifications_of_one_poll_are_kept_and_seen_in_arrival_order() -> None:
+    memory = Memory()
+    with kvwire.connect("local") as sender, kvwire.connect("local") as receiver:
+        sender.register_kv_buffers(memory.local)
+        receiver.register_kv_buffers(memory.peer)
+        endpoint = receiver.endpoint()
+        sender.add_peer(endpoint, memory.peer)
+        messages = [b"r%d" % k for k in range(6)]
+        for message in messages:
+            sender.send_notification(endpoint, message)
+        seen: list[bytes] = []
+        with kvwire.NotificationWatcher(receiver, lambda a: seen.append(a.notification.message)) as watcher:
+            kept = watcher.wait(len(messages), 10.0)  # all six came in the watcher's first poll
+        assert [a.notification.message for a in kept] == messages
+        assert seen == messages
+
+
+@pytest.mark.parametrize("poll_s", [1.5, 60, float("inf")])
+def test_a_poll_interval_above_one_second_is_refused(poll_s: float) -> None:
+    with kvwire.connect("local") as receiver:
+        with pytest.raises(kvwire.ConfigError) as exc:
+            kvwire.NotificationWatcher(receiver, poll_s=poll_s)
+        assert str(exc.value) == f"poll_s must be a number of seconds in [0, 1], got {poll_s!r}"

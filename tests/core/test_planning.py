@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
+import kvwire
 from kvwire.errors import InvalidTransferError
 from kvwire.layout.buffers import KVBuffer
 from kvwire.layout.kv_layout import KVLayout
@@ -935,3 +936,41 @@ def test_one_page_with_different_page_sizes() -> None:
     assert triples(plan) == [((1 << 20) + 128, (1 << 30) + 192, 64), ((1 << 21) + 64, (1 << 31) + 96, 32)]
     with raises("prefill_kv_indices[0] = 16 is out of range: local buffer 0 (layer 0, kv) has 16 pages"):
         plan_transfer(local, peer, idx(16), ptrs(peer), idx(3))
+
+
+# -- planning: ids past the first 16 are range-checked by the fast path, naming the argument ---------------------------
+
+
+_PLAN_LOCAL = KVLayout((KVBuffer(1 << 20, 64, 64, 0, "kv"),))
+_PLAN_PEER = KVLayout((KVBuffer(1 << 30, 64, 64, 0, "kv"),))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("argument", ["prefill_kv_indices", "dst_kv_indices"])
+@pytest.mark.parametrize("bad", [-1, 64, 1000])
+def test_a_bad_page_id_past_the_first_16_is_refused_naming_the_argument(
+    dtype: type[np.integer], argument: str, bad: int
+) -> None:
+    src, dst = np.arange(20, dtype=dtype), np.arange(20, dtype=dtype)
+    (src if argument == "prefill_kv_indices" else dst)[17] = bad
+    if bad < 0:
+        message = f"{argument}[17] = {bad} is negative: page ids must be >= 0"
+    elif argument == "prefill_kv_indices":
+        message = f"prefill_kv_indices[17] = {bad} is out of range: local buffer 0 (layer 0, kv) has 64 pages"
+    else:
+        message = f"dst_kv_indices[17] = {bad} is out of range: peer buffer 0 (layer 0, kv, host) has 64 pages"
+    with pytest.raises(kvwire.InvalidTransferError) as exc:
+        kvwire.plan_transfer(_PLAN_LOCAL, _PLAN_PEER, src, [1 << 30], dst)
+    assert str(exc.value) == message
+
+
+def test_a_negative_int32_page_id_is_refused_when_buffers_have_more_than_2_31_pages() -> None:
+    huge = 1 << 32  # an int32 -1 read as unsigned (2**32 - 1) is below this limit
+    local = KVLayout((KVBuffer(1 << 20, 1, huge, 0, "kv"),))
+    peer = KVLayout((KVBuffer(1 << 40, 1, huge, 0, "kv"),))
+    src = np.arange(20, dtype=np.int32)
+    dst = np.arange(20, dtype=np.int32)
+    src[17] = -1
+    with pytest.raises(kvwire.InvalidTransferError) as exc:
+        kvwire.plan_transfer(local, peer, src, [1 << 40], dst)
+    assert str(exc.value) == "prefill_kv_indices[17] = -1 is negative: page ids must be >= 0"

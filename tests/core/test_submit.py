@@ -11,9 +11,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from held_submit import PAGE_BYTES, HeldTransport, Memory, ids
 
 import kvwire
 from kvwire.backends.local import LocalBackend, LocalTransport
+from kvwire.connection.pool import Submissions
 from kvwire.testing.receiver import LayoutSpec
 from kvwire.workload.memory import digest
 
@@ -355,3 +357,64 @@ def test_a_send_reaches_the_base_as_plain_arguments_on_the_callers_thread() -> N
         assert isinstance(plan, kvwire.TransferPlan) and plan.nbytes == 1024  # planned once, by the Connection
         assert thread == threading.get_ident()  # no call thread for a backend bounded by contract
         assert conn.stuck_calls == ()
+
+
+def test_a_native_submission_while_close_is_draining_never_reaches_the_backend(
+    held: tuple[kvwire.Connection, HeldTransport, str, Memory],
+) -> None:
+    sender, transport, endpoint, memory = held
+    running = sender.submit_kvcache(endpoint, ids(0, 1), memory.ptrs, ids(0, 1))
+    (engine,) = transport.held
+    assert engine.set_running_or_notify_cancel()  # the engine started it: close() must wait for it
+    closer = threading.Thread(target=sender.close)
+    closer.start()
+    try:
+        assert engine.cancel_asked.wait(10)  # close() is draining (it refuses new transfers before it cancels)
+        with pytest.raises(kvwire.BackendError) as exc:
+            sender.submit_kvcache(endpoint, ids(2, 3), memory.ptrs, ids(2, 3))
+        assert str(exc.value) == "connection to backend 'held' is closing; nothing was sent"
+        assert transport.held == [engine]  # the refused request never reached the backend
+    finally:
+        engine.set_result(None)
+        closer.join(timeout=10)
+    assert not closer.is_alive()
+    assert running.result(timeout=0) == 2 * PAGE_BYTES
+
+
+def test_a_native_transfer_whose_engine_future_is_cancelled_is_cancelled(
+    held: tuple[kvwire.Connection, HeldTransport, str, Memory],
+) -> None:
+    sender, transport, endpoint, memory = held
+    future = sender.submit_kvcache(endpoint, ids(0, 1), memory.ptrs, ids(0, 1))
+    (engine,) = transport.held
+    assert engine.cancel()  # the engine (or the backend) cancels its own future, not the handle
+    done, _ = wait([future], timeout=0)
+    assert done == {future}
+    assert future.cancelled()
+
+
+
+# -- the core's pool ---------------------------------------------------------------------------------------------------
+
+
+def test_a_job_the_executor_refuses_leaves_its_future_cancelled_not_pending() -> None:
+    submissions = Submissions("unit")
+    pool = ThreadPoolExecutor(1)
+    pool.shutdown()
+    future = kvwire.TransferFuture("peer", 0, 0)
+    ran: list[str] = []
+
+    def job() -> int:
+        ran.append("job")
+        return 0
+
+    with pytest.raises(kvwire.BackendError) as exc:
+        submissions.run(future, job, pool)
+    assert str(exc.value) == (
+        "cannot queue the transfer on ThreadPoolExecutor: RuntimeError: cannot schedule new futures after shutdown; "
+        "nothing was sent"
+    )
+    done, _ = wait([future], timeout=0)
+    assert done == {future} and future.cancelled()
+    assert submissions.pending() == []
+    assert ran == []

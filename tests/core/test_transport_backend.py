@@ -6,6 +6,7 @@ import threading
 
 import numpy as np
 import pytest
+from held_submit import HeldTransport, Memory, SubmitWithoutNotifications, ids, refusal
 
 import kvwire
 from kvwire import BackendConfig, InvalidTransferError, KVBuffer, KVLayout, TransferPlan, Transport
@@ -256,3 +257,35 @@ def test_a_request_field_list_that_drifted_from_send_kvcache_fails_at_import() -
         f"in spec order: {(*fields, 'dst_priority')}; add a new parameter to both "
         "(kvwire/spec/protocol.py and kvwire/spec/request.py)"
     )
+
+
+# -- TransportBackend: a direct caller gets the refusal the Connection gives -------------------------------------------
+
+
+def test_the_base_submit_refuses_a_notification_its_backend_does_not_declare(
+    direct: tuple[SubmitWithoutNotifications, LocalBackend, str, Memory],
+) -> None:
+    sender, receiver, endpoint, memory = direct
+    request = kvwire.TransferRequest(ids(1, 2), memory.ptrs, ids(3, 4))
+    with pytest.raises(kvwire.UnsupportedFeatureError) as exc:
+        sender.submit_kvcache(endpoint, request, notification=b"req-1")
+    assert str(exc.value) == refusal("'SubmitWithoutNotifications'", "submit_kvcache")
+    transport = sender.transport
+    assert isinstance(transport, HeldTransport)
+    assert transport.held == []  # nothing reached the transport
+    future = sender.submit_kvcache(endpoint, request)  # the same submission without a notification is taken
+    assert len(transport.held) == 1 and not future.done()
+    assert receiver.poll_notifications() == []
+
+
+def test_the_base_send_notification_refuses_a_backend_that_does_not_declare_notifications(
+    direct: tuple[SubmitWithoutNotifications, LocalBackend, str, Memory],
+) -> None:
+    sender, receiver, endpoint, _ = direct
+    with pytest.raises(kvwire.UnsupportedFeatureError) as exc:
+        sender.send_notification(endpoint, b"req-1")
+    assert str(exc.value) == refusal("'SubmitWithoutNotifications'", "send_notification")
+    assert receiver.poll_notifications() == []  # the transport, which carries them, was never asked
+    with pytest.raises(kvwire.UnsupportedFeatureError) as exc:
+        sender.poll_notifications()
+    assert str(exc.value) == refusal("'SubmitWithoutNotifications'", "poll_notifications")

@@ -773,3 +773,29 @@ def test_whole_sglang_package(sglang_source: Callable[[str], Path], version: str
     ]
     assert send == (expected if drifted else [])
     assert findings  # sglang has other overrides that drift from their bases (see the report of this change)
+
+
+# -- kvwire lint -------------------------------------------------------------------------------------------------------
+
+
+def test_an_override_taking_kwargs_accepts_a_keyword_only_base_parameter(tmp_path: Path) -> None:
+    source = """
+        class Base:
+            def f(self, x, *, key=1):
+                pass
+
+
+        class Passes(Base):
+            def f(self, x, **kwargs):
+                pass
+
+
+        class Drops(Base):
+            def f(self, x):
+                pass
+    """
+    (tmp_path / "mod.py").write_text(textwrap.dedent(source).lstrip("\n"))
+    found = [(f.subclass, f.parameter, f.message) for f in lint_tree(tmp_path)]
+    assert found == [
+        ("Drops", "key", "keyword-only parameter `key` of the base is missing (a caller passing it gets a TypeError)")
+    ]  # `Passes` takes key= through **kwargs: no finding
