@@ -112,6 +112,25 @@ def test_non_contiguous_landing_pages_scatter_by_index() -> None:
     assert all(np.array_equal(v, e) for v, e in zip(final.views, expected))
 
 
+def test_landing_pages_out_of_order_whose_ends_look_contiguous_scatter_by_index() -> None:
+    """[p0, p2, p1, p3] spans p0..p3 without being the slice p0..p3: each landing page goes where its index says."""
+    final = spec(1, 0).allocate(1)
+    senders = [spec(2, p).allocate(10 + p) for p in range(2)]
+    src, dst = np.array([3, 9, 4, 7], np.int64), np.array([60, 2, 30, 11], np.int64)
+    landing = Landing(final.layout, 2, 8)
+    reserved = landing.reserve(4)
+    assert reserved is not None
+    for p, pages in reserved.items():
+        shuffled = pages[[0, 2, 1, 3]]
+        assert int(shuffled[-1]) - int(shuffled[0]) == 3  # first and last alone would say "contiguous"
+        _land(landing, senders[p], src, shuffled)
+        landing.scatter(p, shuffled, dst)
+    expected = oracle(
+        [(spec(2, p), senders[p].views) for p in range(2)], spec(1, 0), spec(1, 0).allocate(1).views, src, dst
+    )
+    assert all(np.array_equal(v, e) for v, e in zip(final.views, expected))
+
+
 def test_head_major_pages_scatter_one_run_per_page() -> None:
     heads = HeadLayout(2, 4, 8, 2, 4, head_major=True)  # 2 of 4 heads x 4 tokens x 16 bytes
     rng = np.random.default_rng(1)
@@ -192,6 +211,16 @@ def test_credits_hand_out_the_lowest_fitting_range_then_say_none() -> None:
     assert c.reserve(3, [0]) is None and c.free == 2  # only 1 and 2 left: nothing is reserved
     last = c.reserve(2, [0])
     assert last is not None and last[0].tolist() == [1, 2] and c.free == 0
+
+
+def test_credits_are_first_fit_the_lowest_range_after_a_release() -> None:
+    c = _credits(10)
+    got = c.reserve(3, [0, 1])
+    last = c.reserve(2, [2])
+    assert got is not None and last is not None and last[2].tolist() == [6, 7]
+    c.release(got[0])  # 0..2 and 8, 9 are free: both fit 2 pages, the lowest is taken
+    again = c.reserve(2, [3])
+    assert again is not None and again[3].tolist() == [0, 1]
 
 
 def test_credits_for_several_senders_are_all_or_nothing() -> None:

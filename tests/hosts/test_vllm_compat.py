@@ -9,6 +9,7 @@ plain ones with the attributes the connector reads, and its KV cache by tensors 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any
 
@@ -294,6 +295,10 @@ def test_a_registration_is_parsed_strictly() -> None:
         ({"tp_size": 0}, "registration: 'tp_size' must be an int >= 1, got 0"),
         ({"valid_for_s": float("inf")}, "registration: 'valid_for_s' must be a number of seconds > 0, got inf"),
         ({"prefill_block_ids": [1, "2"]}, "registration: prefill_block_ids[1] = '2' must be an int block id"),
+        (
+            {"prefill_block_ids": [], "decode_block_ids": []},
+            "registration: 'prefill_block_ids' must be a non-empty list of block ids, got []",
+        ),
     ]
     for change, message in bad:
         with pytest.raises(InvalidTransferError) as info:
@@ -315,6 +320,74 @@ def test_a_write_that_could_outlast_the_decodes_wait_is_not_started() -> None:
         "error": "request 'p0': the decode stops waiting in 10.50 s, before a write could be sure to end "
         "(transfer_timeout_s = 10 s); not started (raise load_timeout_s on the decode above transfer_timeout_s)"
     }
+
+
+def _held_sender(clock: Clock) -> tuple[Sender, list[Future[int]], Any]:
+    """A prefill worker's Sender whose writes stay in flight until the test completes their futures."""
+    writes: list[Future[int]] = []
+
+    def submit(endpoint: str, src: Any, ptrs: Any, dst: Any, notification: bytes) -> Future[int]:
+        writes.append(Future())
+        return writes[-1]
+
+    connection = SimpleNamespace(
+        config=SimpleNamespace(timeout_s=10.0), add_peer=lambda endpoint, layout: None, submit_kvcache=submit
+    )
+    mapped = layout_from_kv_caches(vllm_kv_caches())
+    sender = Sender(WorkerRank(connection, mapped, 0, 1, clock), lease_s=30)  # type: ignore[arg-type]
+    return sender, writes, mapped
+
+
+def test_a_decode_block_id_equal_to_the_block_count_is_refused_by_the_sender() -> None:
+    from kvwire import PeerDescription
+
+    sender, writes, mapped = _held_sender(Clock())
+    blocks = mapped.layout.buffers[0].num_pages
+    sender.mark_ready(ReadyToSend("p0", (1, 2)))
+    reg = Registration("p0", "d0", (1, 2), (3, blocks), tuple(LAYERS), 0, 1, 60.0, PeerDescription("ep", mapped.layout))
+    assert sender.handle(reg.to_dict()) == {
+        "error": f"decode_block_ids[1] = {blocks} is not a block of the decode's KV cache: ids run "
+        f"1..{blocks - 1} (block 0 is vLLM's null block); nothing was sent"
+    }
+    assert writes == []
+
+
+def test_the_lease_never_frees_blocks_a_write_still_reads() -> None:
+    """A write still in flight when the lease ends: vLLM is told the request is finished only once it ends."""
+    from kvwire import PeerDescription
+
+    clock = Clock()
+    sender, writes, mapped = _held_sender(clock)
+    sender.mark_ready(ReadyToSend("p0", (1, 2)))
+    reg = Registration("p0", "d0", (1, 2), (3, 4), tuple(LAYERS), 0, 1, 60.0, PeerDescription("ep", mapped.layout))
+    assert sender.handle(reg.to_dict()) == {"accepted": "p0"}
+    (write,) = writes
+    clock.now += 31  # past lease_s = 30
+    assert sender.finished() == set()  # the transport still reads blocks 1 and 2
+    write.set_result(2 * mapped.layout.buffers[0].page_bytes)
+    assert sender.finished() == {"p0"}
+
+
+def test_a_decode_rank_registers_at_its_own_rank_port_with_a_prefill_of_the_same_tp_size() -> None:
+    """Rank to rank between equal TP sizes: decode rank 1 of 2 asks prefill rank 1, at side_channel_port + 1."""
+    import kvwire
+    from kvwire.hosts.vllm.metadata import ToReceive
+    from kvwire.hosts.vllm.params import RemotePrefill
+    from kvwire.hosts.vllm.receiving import Receiver
+
+    sent: list[tuple[str, int]] = []
+    client = SimpleNamespace(send=lambda host, port, message, reply: sent.append((host, port)))
+    caches = vllm_kv_caches(heads=2)
+    with kvwire.connect("local") as connection:
+        mapped = layout_from_kv_caches(caches, 2, 1, 4)
+        connection.register_kv_buffers(mapped.layout)
+        receiver = Receiver(WorkerRank(connection, mapped, 1, 2, Clock()), client, 30.0)  # type: ignore[arg-type]
+        try:
+            remote = RemotePrefill("p0", "engine-p", "10.0.0.1", 5000, (1, 2), 2, 40)
+            receiver.start(ToReceive("d0", (3, 4), remote))
+        finally:
+            receiver.close()
+    assert sent == [("10.0.0.1", 5001)]
 
 
 def test_the_connector_class_says_vllm_is_missing_where_it_is() -> None:
