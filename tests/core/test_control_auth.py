@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import re
 import socket
 import threading
@@ -304,3 +305,76 @@ def test_a_key_shorter_than_16_bytes_is_refused_naming_its_source(
         load_key(str(key_file))
     key_file.write_bytes(b"16-bytes-secret!\n")
     assert load_key(str(key_file)) == b"16-bytes-secret!"
+
+
+# -- the handshake's own bounds, driven over a socket pair --------------------------------------------------------
+
+
+def test_a_handshake_line_over_1024_bytes_is_refused_at_once_not_at_the_deadline() -> None:
+    from kvwire.control.auth import server_handshake
+
+    server, client = socket.socketpair()
+    try:
+        client.sendall(b"a" * 2000)  # no newline, and the connection stays open
+        with pytest.raises(ControlAuthError) as exc:
+            server_handshake(server, b"k" * 32, "peer 10.0.0.9", timeout_s=2.0)
+        assert str(exc.value).startswith("peer 10.0.0.9 sent a handshake line over 1024 bytes")
+    finally:
+        server.close()
+        client.close()
+
+
+def test_a_client_challenge_under_16_bytes_is_refused_even_with_the_right_response() -> None:
+    import hashlib
+    import hmac
+    import json
+
+    from kvwire.control.auth import _CLIENT, server_handshake
+
+    key = b"k" * 32
+    server, client = socket.socketpair()
+    failure: list[BaseException] = []
+
+    def serve_one() -> None:
+        try:
+            server_handshake(server, key, "peer 10.0.0.9", timeout_s=10.0)
+        except BaseException as exc:  # handed to the test below
+            failure.append(exc)
+
+    thread = threading.Thread(target=serve_one)
+    thread.start()
+    try:
+        hello = json.loads(client.makefile("rb").readline())
+        nonce = bytes.fromhex(hello["challenge"])
+        response = hmac.new(key, _CLIENT + nonce, hashlib.sha256).hexdigest()
+        client.sendall((json.dumps({"response": response, "challenge": "0badcafe"}) + "\n").encode())
+        thread.join(10)
+    finally:
+        server.close()
+        client.close()
+    assert not thread.is_alive()
+    (exc,) = failure
+    assert isinstance(exc, ControlAuthError)
+    assert str(exc) == "peer 10.0.0.9 sent a challenge of 4 bytes, under 16"
+
+
+def test_a_line_of_max_line_bytes_is_read_and_one_byte_more_is_refused() -> None:
+    from kvwire.control.channel import Channel
+    from kvwire.control.errors import ControlProtocolError
+
+    class _Pipe(Channel):
+        def close(self) -> None:
+            os.close(self._out)
+            os.close(self._in)
+
+    read_fd, write_fd = os.pipe()
+    peer_read, peer_write = os.pipe()
+    with _Pipe(read_fd, peer_write, what="peer", timeout_s=5.0, max_line=8) as channel:
+        os.write(write_fd, b'{"a":12}\n')  # 8 bytes before the newline
+        assert channel.read() == {"a": 12}
+        os.write(write_fd, b'{"a":123}\n')  # 9
+        with pytest.raises(ControlProtocolError) as exc:
+            channel.read()
+        assert str(exc.value).startswith("peer sent a line over 8 bytes (no newline within the limit)")
+    os.close(write_fd)
+    os.close(peer_read)
