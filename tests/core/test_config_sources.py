@@ -213,3 +213,15 @@ def test_a_config_path_that_is_a_fifo_a_device_or_huge_is_refused_without_blocki
     with pytest.raises(ConfigError) as exc:
         BackendConfig.from_sources(latin, env={})
     assert str(exc.value) == f"config file {latin} (path argument) is not UTF-8: invalid continuation byte at byte 11"
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_check_seconds_refuses_what_is_not_finite(value: float) -> None:
+    from kvwire.config import check_seconds
+
+    with pytest.raises(ConfigError) as exc:
+        check_seconds(value, "poll_s")
+    assert str(exc.value) == f"poll_s must be a finite number of seconds > 0, got {value!r}"
+    with pytest.raises(ConfigError):
+        check_seconds(value, "poll_s", zero=True)
+    assert check_seconds(0, "poll_s", zero=True) == 0.0 and check_seconds(2.5, "poll_s") == 2.5

@@ -245,6 +245,40 @@ def test_the_bases_send_kvcache_refuses_a_call_its_signature_refuses() -> None:
     )
 
 
+def test_request_fields_in_another_order_than_the_spec_fail_at_import() -> None:
+    from kvwire.spec.request import SEND_PARAMETERS, check_request_fields
+
+    fields = [p for p in SEND_PARAMETERS if p not in ("session_id", "executor")]
+    swapped = [fields[1], fields[0], *fields[2:]]
+    with pytest.raises(ImportError) as exc:
+        check_request_fields(swapped, SEND_PARAMETERS)
+    assert str(exc.value).startswith(f"TransferRequest's fields {tuple(swapped)} must be send_kvcache's parameters")
+
+
+def test_the_request_defaults_are_send_kvcaches_declared_defaults() -> None:
+    import dataclasses
+    import inspect
+
+    from kvwire.spec.request import SEND_PARAMETERS, check_request_fields
+
+    declared = {
+        n: p.default
+        for n, p in inspect.signature(kvwire.BackendProtocol.send_kvcache).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    fields = {
+        f.name: f.default for f in dataclasses.fields(kvwire.TransferRequest) if f.default is not dataclasses.MISSING
+    }
+    assert fields == {n: d for n, d in declared.items() if n != "executor"} and fields  # the same, and some
+    names = [p for p in SEND_PARAMETERS if p not in ("session_id", "executor")]
+    with pytest.raises(ImportError) as exc:
+        check_request_fields(names, SEND_PARAMETERS, {**fields, "dst_layer_ids": ()}, declared)
+    assert str(exc.value) == (
+        "TransferRequest.dst_layer_ids defaults to () but send_kvcache's dst_layer_ids to None: they must be the "
+        "same (kvwire/spec/protocol.py and kvwire/spec/request.py)"
+    )
+
+
 def test_a_request_field_list_that_drifted_from_send_kvcache_fails_at_import() -> None:
     from kvwire.spec.request import SEND_PARAMETERS, check_request_fields
 

@@ -281,6 +281,12 @@ def test_a_decode_whose_blocks_never_come_fails_them_at_load_timeout() -> None:
         d_work.shutdown()
 
 
+def test_an_infinite_lease_is_refused_naming_its_key() -> None:
+    with pytest.raises(ConfigError) as exc:
+        ConnectorSettings.from_extra_config({"backend": "local", "lease_s": float("inf")})
+    assert "lease_s" in str(exc.value) and str(exc.value).endswith("must be a finite number of seconds > 0, got inf")
+
+
 def test_a_registration_is_parsed_strictly() -> None:
     caches = vllm_kv_caches()
     mapped = layout_from_kv_caches(caches)
