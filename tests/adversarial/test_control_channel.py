@@ -25,6 +25,7 @@ import pytest
 import kvwire.benchmark.run
 from kvwire.cli import main
 from kvwire.control import (
+    Channel,
     ChildProcess,
     ControlClosedError,
     ControlError,
@@ -178,6 +179,47 @@ def test_limits_are_configurable(spawn: Spawn) -> None:
         short.read()
     with pytest.raises(ConfigError, match=r"max_line must be > 0"):
         ChildProcess("control_peer", ["silent"], what="peer", max_line=0)
+
+
+class _PipeChannel(Channel):
+    """A Channel over two pipes of this process: the test writes the peer's bytes to ``peer`` itself."""
+
+    def __init__(self, max_line: int) -> None:
+        read_fd, self.peer = os.pipe()
+        self._peer_reads, write_fd = os.pipe()
+        super().__init__(read_fd, write_fd, what="peer", timeout_s=5.0, max_line=max_line)
+
+    def close(self) -> None:
+        for fd in (self._out, self.peer, self._peer_reads, self._in):
+            os.close(fd)
+
+
+def test_a_line_of_max_line_bytes_is_read_and_one_byte_more_is_refused() -> None:
+    with _PipeChannel(max_line=8) as channel:
+        os.write(channel.peer, b'{"a":12}\n')  # 8 bytes before the newline
+        assert channel.read() == {"a": 12}
+        os.write(channel.peer, b'{"a":123}\n')  # 9
+        with pytest.raises(ControlProtocolError) as exc:
+            channel.read()
+        assert str(exc.value) == (
+            "peer sent a line over 8 bytes (no newline within the limit), starting b'{\"a\":123}\\n'"
+        )
+
+
+def test_a_line_in_progress_may_reach_max_line_bytes_and_not_one_byte_more() -> None:
+    """No newline yet: 8 bytes are a line in progress (the read times out waiting for the rest), 9 are refused."""
+    with _PipeChannel(max_line=8) as channel:
+        os.write(channel.peer, b'{"a":12}')
+        with pytest.raises(ControlTimeoutError) as stalled:
+            channel.read(timeout_s=0)  # the bytes are already in the pipe: one look takes them
+        assert str(stalled.value) == (
+            "peer stalled in the middle of a line: 8 bytes and no newline within 0 s: b'{\"a\":12}'"
+        )
+    with _PipeChannel(max_line=8) as channel:
+        os.write(channel.peer, b'{"a":123}')
+        with pytest.raises(ControlProtocolError) as exc:
+            channel.read(timeout_s=0)
+        assert str(exc.value) == "peer sent a line over 8 bytes (no newline within the limit), starting b'{\"a\":123}'"
 
 
 def test_a_reported_error_does_not_poison_the_channel(spawn: Spawn) -> None:

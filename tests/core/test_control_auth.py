@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import os
 import re
 import socket
 import threading
@@ -356,25 +355,3 @@ def test_a_client_challenge_under_16_bytes_is_refused_even_with_the_right_respon
     (exc,) = failure
     assert isinstance(exc, ControlAuthError)
     assert str(exc) == "peer 10.0.0.9 sent a challenge of 4 bytes, under 16"
-
-
-def test_a_line_of_max_line_bytes_is_read_and_one_byte_more_is_refused() -> None:
-    from kvwire.control.channel import Channel
-    from kvwire.control.errors import ControlProtocolError
-
-    class _Pipe(Channel):
-        def close(self) -> None:
-            os.close(self._out)
-            os.close(self._in)
-
-    read_fd, write_fd = os.pipe()
-    peer_read, peer_write = os.pipe()
-    with _Pipe(read_fd, peer_write, what="peer", timeout_s=5.0, max_line=8) as channel:
-        os.write(write_fd, b'{"a":12}\n')  # 8 bytes before the newline
-        assert channel.read() == {"a": 12}
-        os.write(write_fd, b'{"a":123}\n')  # 9
-        with pytest.raises(ControlProtocolError) as exc:
-            channel.read()
-        assert str(exc.value).startswith("peer sent a line over 8 bytes (no newline within the limit)")
-    os.close(write_fd)
-    os.close(peer_read)
