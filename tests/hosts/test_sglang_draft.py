@@ -61,6 +61,12 @@ def test_plain_mla_draft_buffers_follow_the_targets_and_a_stage_can_start_them_w
     assert _labels(banded) == [(4, "kv", "host"), (5, "kv", "host"), (61, "kv", "host")]
 
 
+def test_positional_draft_layers_follow_a_pipeline_stages_first_layer() -> None:
+    """A stage starting at layer 4 with 2 target layers and 1 draft (positional ids, no draft_first_layer): 6."""
+    layout = layout_from_kv_args(*_args(3), [], attention="mla", memory="host", num_draft_entries=1, first_layer=4)
+    assert _labels(layout) == [(4, "kv", "host"), (5, "kv", "host"), (6, "kv", "host")]
+
+
 def test_hybrid_pools_keep_sglangs_draft_band() -> None:
     """build_kv_layer_ids: target ids (x2 for MHA), then the draft's remapped to num_hidden_layers (6) + i."""
     mha = layout_from_kv_args(*_args(8), [3, 5, 3, 5, 6, 7, 6, 7], attention="mha", memory="host", num_draft_entries=4)

@@ -1,6 +1,7 @@
 """kvwire on an engine of its own under sglang (``KVWIRE_SGLANG_BACKEND``): the decode publishes the endpoint of
-kvwire's engine, the prefill sends there, and a decode on another transport is refused by name. Fast: no
-sglang; the manager's hooks are driven as sglang's bootstrap thread drives them, over the ``local`` backend."""
+kvwire's engine, the prefill sends there, and a decode on another transport, or one whose published buffers are
+not those it registered with sglang, is refused by name. Fast: no sglang; the manager's hooks are driven as
+sglang's bootstrap thread drives them, over the ``local`` backend."""
 
 from __future__ import annotations
 
@@ -175,6 +176,30 @@ def test_a_decode_on_another_transport_is_refused_by_name_and_its_sends_too(
         assert logged[0] == (
             f"kvwire: decode session {SESSION}: {said}: set KVWIRE_SGLANG_BACKEND to the same backend on both "
             "sides; sends to it are refused"
+        )
+    finally:
+        prefill.kvwire_connection.close()
+
+
+def test_a_decode_that_published_other_addresses_than_it_registered_stays_unknown(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Same count, other pointers: the prefill refuses the decode (its sends -22, nothing moves), by name."""
+    prefill = _prefill(own_engine=False)
+    dst, other = np.zeros((4, 64), np.uint8), np.zeros((4, 64), np.uint8)
+    try:
+        with caplog.at_level(logging.ERROR, logger="kvwire"):
+            assert _register(prefill, layout_frame(SESSION, _layout(dst)), [int(other.ctypes.data)]) == (
+                "sglang's verdict"
+            )
+            ids = np.array([1], np.int32)
+            status = prefill.send_kvcache(SESSION, ids, [int(other.ctypes.data)], ids, None)
+        assert status == -22
+        assert prefill.kvwire_connection.peer_layout(SESSION) is None
+        assert not dst.any() and not other.any()
+        assert caplog.records[0].getMessage() == (
+            f"kvwire: decode session {SESSION}: published buffers at {[hex(int(dst.ctypes.data))]} but registered "
+            f"dst_kv_ptrs {[hex(int(other.ctypes.data))]} with sglang; sends to it are refused"
         )
     finally:
         prefill.kvwire_connection.close()
