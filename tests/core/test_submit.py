@@ -393,7 +393,6 @@ def test_a_native_transfer_whose_engine_future_is_cancelled_is_cancelled(
     assert future.cancelled()
 
 
-
 # -- the core's pool ---------------------------------------------------------------------------------------------------
 
 
