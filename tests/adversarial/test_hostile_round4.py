@@ -247,7 +247,7 @@ def _port(srv: RegistrationServer) -> int:
 def test_row6_a_line_whose_second_half_comes_0_3_s_later_is_answered(server: RegistrationServer) -> None:
     """Before: the partial-line deadline was the 0.2 s poll, not the channel's timeout: closed without a reply."""
     with socket.create_connection(("127.0.0.1", _port(server)), timeout=10) as sock:
-        assert _hello(sock) == {"kvwire_control": 1, "challenge": None}
+        assert _hello(sock) == {"kvwire_control": 2, "challenge": None}
         sock.sendall(b'{"cmd": "register", ')
         time.sleep(0.3)
         sock.sendall(b'"n": 7}\n')
@@ -280,7 +280,7 @@ def test_row4_idle_connections_are_capped_in_threads_and_closed_once_idle() -> N
         assert _threads("kvwire-vllm-registrations") - before <= 8
         _until(lambda: srv.idled_out == 8 and srv.connections == 0, timeout_s=5)  # 0.5 s idle, then closed
         for sock in socks[:8]:
-            assert _hello(sock) == {"kvwire_control": 1, "challenge": None}
+            assert _hello(sock) == {"kvwire_control": 2, "challenge": None}
             assert sock.recv(1) == b""  # closed by the prefill
         with PeerConnection("127.0.0.1", _port(srv), what="prefill", timeout_s=5) as conn:  # room again
             assert conn.request({"n": 1}) == {"echo": 1}

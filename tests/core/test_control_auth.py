@@ -157,7 +157,7 @@ def test_keyless_on_both_sides_works_on_loopback(server_factory: Any) -> None:
 def test_a_client_that_never_answers_the_challenge_is_dropped(server_factory: Any) -> None:
     server = server_factory(KEY, handshake_s=0.5)
     with socket.create_connection(("127.0.0.1", server.port)) as silent:
-        assert silent.recv(1024).startswith(b'{"kvwire_control":1,"challenge":"')
+        assert silent.recv(1024).startswith(b'{"kvwire_control":2,"challenge":"')
         deadline = time.monotonic() + 10
         while not server.refused and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -203,7 +203,7 @@ def test_an_impostor_server_without_the_key_is_refused_by_the_client() -> None:
     def run() -> None:
         conn, _ = listener.accept()
         with conn:
-            conn.sendall(b'{"kvwire_control":1,"challenge":"' + b"ab" * 32 + b'"}\n')
+            conn.sendall(b'{"kvwire_control":2,"challenge":"' + b"ab" * 32 + b'"}\n')
             got.append(conn.recv(4096))  # the client's answer: useless without the key
             conn.sendall(b'{"response":"' + b"00" * 32 + b'"}\n')
             got.append(conn.recv(4096))  # b"": the client hung up, sending nothing more

@@ -4,7 +4,8 @@ The bench's decode process and the contract kit's receivers speak it: one JSON
 object per line, no pickle on the wire; over a child's stdin/stdout
 (:class:`ChildProcess`) or a TCP connection to another machine
 (:class:`PeerConnection`, authenticated by a shared key:
-:mod:`kvwire.control.auth`). The other end may be buggy or hostile, so the parent
+:mod:`kvwire.control.auth`, then every frame after the handshake carries a
+sequence number and an HMAC tag: :mod:`kvwire.control.frames`). The other end may be buggy or hostile, so the parent
 reads bytes on demand with a deadline, a line length, a buffer size and a
 nesting depth (:mod:`kvwire.control.jsonlines`): whatever the peer does ends in one
 :class:`ControlError` naming it, never a hang or unbounded memory. After a

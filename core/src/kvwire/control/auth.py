@@ -7,6 +7,12 @@ its own nonce, the server checks it and answers
 ``HMAC-SHA256(key, "kvwire-control server" + server nonce + client nonce)``,
 which the client checks. Only then is a command sent. The key never crosses
 the wire; the labels keep one side's answer from being replayed as the other's.
+With a key, every line after the handshake is a frame with a sequence number
+and a tag under a session key derived from the key and both nonces
+(:mod:`kvwire.control.frames`); the handshakes return that framing. The hello
+carries the protocol version (2: per-frame tags); a client refuses a server of
+another version at the hello, naming both versions, so both sides must run the
+same kvwire.
 
 The key comes from ``--control-key-file FILE`` or the environment variable
 ``KVWIRE_CONTROL_KEY`` (:func:`load_key`). A server without a key says so in
@@ -27,6 +33,7 @@ import socket
 from typing import Any
 
 from kvwire.control.errors import ControlAuthError
+from kvwire.control.frames import FrameAuth, session_key
 from kvwire.control.jsonlines import LineError, parse_object
 from kvwire.errors import ConfigError
 
@@ -43,8 +50,8 @@ __all__ = [
 KEY_ENV = "KVWIRE_CONTROL_KEY"
 #: The shortest control key accepted from an operator (``load_key``): 16 bytes, 128 bits if random.
 MIN_KEY_BYTES = 16
-#: Version tag of the hello line.
-_PROTOCOL = 1
+#: Version tag of the hello line (2: every line after the handshake is an authenticated frame).
+_PROTOCOL = 2
 _NONCE_BYTES = 32
 _MAX_LINE = 1024  # a handshake line is ~200 bytes
 _CLIENT = b"kvwire-control client"
@@ -136,12 +143,15 @@ def _hex(message: dict[str, Any], name: str, peer: str) -> bytes:
     raise ControlAuthError(f"{peer} sent no valid {name!r} in the control-key handshake: not a kvwire control peer")
 
 
-def server_handshake(sock: socket.socket, key: bytes | None, peer: str, timeout_s: float = 30.0) -> None:
-    """The listening side: challenge the client that connected from ``peer``; ControlAuthError if it fails."""
+def server_handshake(sock: socket.socket, key: bytes | None, peer: str, timeout_s: float = 30.0) -> FrameAuth | None:
+    """The listening side: challenge the client that connected from ``peer``; ControlAuthError if it fails.
+
+    Returns the framing of every later line (None without a key).
+    """
     try:
         if key is None:
             _send(sock, {"kvwire_control": _PROTOCOL, "challenge": None})
-            return
+            return None
         nonce = secrets.token_bytes(_NONCE_BYTES)
         _send(sock, {"kvwire_control": _PROTOCOL, "challenge": nonce.hex()})
         answer = _read(sock, peer, timeout_s)
@@ -155,18 +165,27 @@ def server_handshake(sock: socket.socket, key: bytes | None, peer: str, timeout_
         if len(theirs) < 16:
             raise ControlAuthError(f"{peer} sent a challenge of {len(theirs)} bytes, under 16")
         _send(sock, {"response": _mac(key, _SERVER, nonce, theirs)})
+        return FrameAuth(session_key(key, nonce, theirs), server=True, peer=peer)
     except OSError as exc:
         raise ControlAuthError(f"{peer}: the control-key handshake failed: {exc}") from None
 
 
-def client_handshake(sock: socket.socket, key: bytes | None, peer: str, timeout_s: float = 30.0) -> None:
-    """The connecting side: answer ``peer``'s challenge and check its answer; ControlAuthError if it fails."""
+def client_handshake(sock: socket.socket, key: bytes | None, peer: str, timeout_s: float = 30.0) -> FrameAuth | None:
+    """The connecting side: answer ``peer``'s challenge and check its answer; ControlAuthError if it fails.
+
+    Returns the framing of every later line (None when neither side has a key).
+    """
     try:
         hello = _read(sock, peer, timeout_s)
-        if hello.get("kvwire_control") != _PROTOCOL:
+        version = hello.get("kvwire_control")
+        if isinstance(version, int) and not isinstance(version, bool) and version != _PROTOCOL:
             raise ControlAuthError(
-                f"{peer} did not open with a kvwire control hello (version {_PROTOCOL}): not a kvwire control peer, "
-                "or a kvwire version without control-channel authentication"
+                f"{peer} speaks kvwire control protocol version {version}, this side version {_PROTOCOL} (every "
+                "frame after the handshake authenticated): run the same kvwire version on both sides"
+            )
+        if version != _PROTOCOL:
+            raise ControlAuthError(
+                f"{peer} did not open with a kvwire control hello (version {_PROTOCOL}): not a kvwire control peer"
             )
         if hello.get("challenge") is None:
             if key is not None:
@@ -174,7 +193,7 @@ def client_handshake(sock: socket.socket, key: bytes | None, peer: str, timeout_
                     f"{peer} does not authenticate (it has no control key) but this side has one: refusing to "
                     f"connect unauthenticated; give the decode side the same key ({KEY_ENV} or --control-key-file)"
                 )
-            return
+            return None
         nonce = _hex(hello, "challenge", peer)
         if key is None:
             _send(sock, {"error": "no control key on the connecting side"})
@@ -188,5 +207,6 @@ def client_handshake(sock: socket.socket, key: bytes | None, peer: str, timeout_
             raise ControlAuthError(f"{peer} refused the control key: {str(answer['error'])[:300]}")
         if not hmac.compare_digest(_hex(answer, "response", peer).hex(), _mac(key, _SERVER, nonce, mine)):
             raise ControlAuthError(f"{peer} answered the control-key challenge with a wrong key")
+        return FrameAuth(session_key(key, nonce, mine), server=False, peer=peer)
     except OSError as exc:
         raise ControlAuthError(f"{peer}: the control-key handshake failed: {exc}") from None

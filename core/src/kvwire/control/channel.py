@@ -3,7 +3,10 @@
 It reads bytes only while waiting for a reply, so a peer can never get more
 than one line limit plus one chunk into memory; every read and send has a
 deadline; garbage poisons the channel (every later call raises the same error).
-Subclasses say what the other end is: a child process, or a TCP peer.
+Subclasses say what the other end is: a child process, or a TCP peer. After a
+keyed handshake every line is an authenticated frame (:mod:`kvwire.control.frames`):
+a frame that is not the next one with its tag poisons the channel with
+:class:`ControlAuthError`, and nothing of it is returned.
 """
 
 from __future__ import annotations
@@ -15,7 +18,14 @@ import time
 from collections import deque
 from typing import Any, TypeVar
 
-from kvwire.control.errors import ControlClosedError, ControlError, ControlProtocolError, ControlTimeoutError
+from kvwire.control.errors import (
+    ControlAuthError,
+    ControlClosedError,
+    ControlError,
+    ControlProtocolError,
+    ControlTimeoutError,
+)
+from kvwire.control.frames import FRAME_OVERHEAD, FrameAuth
 from kvwire.control.jsonlines import (
     DEFAULT_MAX_BUFFERED,
     DEFAULT_MAX_DEPTH,
@@ -36,7 +46,10 @@ _C = TypeVar("_C", bound="Channel")
 
 
 class Channel:
-    """A bounded JSON-lines channel: ``read``, ``send``, ``request``. Not thread-safe: one caller at a time."""
+    """A bounded JSON-lines channel: ``read``, ``send``, ``request``. Not thread-safe: one caller at a time.
+
+    ``frames``: the framing a keyed handshake returned (every line sealed and opened with it), None for plain lines.
+    """
 
     def __init__(
         self,
@@ -48,10 +61,13 @@ class Channel:
         max_line: int = DEFAULT_MAX_LINE,
         max_buffered: int = DEFAULT_MAX_BUFFERED,
         max_depth: int = DEFAULT_MAX_DEPTH,
+        frames: FrameAuth | None = None,
     ) -> None:
         self.what = what
+        self._frames = frames  # after a keyed handshake: every line is an authenticated frame
         self.timeout_s = timeout_s
         self.max_line, self.max_buffered, self.max_depth = max_line, max_buffered, max_depth
+        self._line_limit = max_line + (FRAME_OVERHEAD if frames is not None else 0)  # a frame's bytes, or a line's
         self._in, self._out = write_fd, read_fd
         os.set_blocking(self._in, False)  # sends have a deadline too
         self._readable, self._writable = select.poll(), select.poll()
@@ -122,7 +138,7 @@ class Channel:
         """Split ``data`` into lines, enforcing the line length and the buffer size."""
         start = 0
         while (end := data.find(b"\n", start)) >= 0:
-            if len(self._partial) + end - start > self.max_line:
+            if len(self._partial) + end - start > self._line_limit:
                 raise self._too_long((bytes(self._partial[:60]) + data[start : start + 60])[:60])
             line = bytes(self._partial) + data[start:end]
             self._partial.clear()
@@ -130,7 +146,7 @@ class Channel:
             self._queued += len(line)
             start = end + 1
         self._partial += data[start:]
-        if len(self._partial) > self.max_line:
+        if len(self._partial) > self._line_limit:
             raise self._too_long(bytes(self._partial[:60]))
         if self._queued + len(self._partial) > self.max_buffered:
             raise self._poison(
@@ -143,7 +159,7 @@ class Channel:
     def _too_long(self, head: bytes) -> ControlError:
         return self._poison(
             ControlProtocolError(
-                f"{self.label} sent a line over {self.max_line} bytes (no newline within the limit), "
+                f"{self.label} sent a line over {self._line_limit} bytes (no newline within the limit), "
                 f"starting {preview(head)}"
             )
         )
@@ -184,6 +200,17 @@ class Channel:
                 raise ControlTimeoutError(f"{self.label} did not answer within {wait:g} s")
         line = self._lines.popleft()
         self._queued -= len(line)
+        if self._frames is not None:
+            try:
+                line = self._frames.open(line)
+            except ControlAuthError as exc:
+                raise self._poison(exc) from None
+            if len(line) > self.max_line:
+                raise self._poison(
+                    ControlProtocolError(
+                        f"{self.label} sent a message over {self.max_line} bytes in one frame, starting {preview(line)}"
+                    )
+                )
         try:
             message = parse_object(line, self.max_depth)
         except LineError as exc:
@@ -197,7 +224,10 @@ class Channel:
     def send(self, message: dict[str, Any], timeout_s: float | None = None) -> None:
         """Send one message; ControlClosedError if the child is gone, ControlTimeoutError if it does not read."""
         self._raise_if_poisoned()
-        data = memoryview((json.dumps(message, separators=(",", ":")) + "\n").encode())
+        payload = json.dumps(message, separators=(",", ":")).encode()
+        if self._frames is not None:
+            payload = self._frames.seal(payload)
+        data = memoryview(payload + b"\n")
         wait = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + wait
         sent = 0

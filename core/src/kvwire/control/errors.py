@@ -24,4 +24,6 @@ class ControlClosedError(ControlError):
 
 
 class ControlAuthError(ControlError):
-    """The TCP peer failed the control-key handshake (wrong or missing key, or not a kvwire control peer)."""
+    """The TCP peer failed the control-key handshake (wrong or missing key, not a kvwire control peer, another
+    protocol version), or sent a frame after it that is not the next authenticated one (altered, replayed,
+    reordered, reflected, or without its tag): the connection is done."""

@@ -7,6 +7,9 @@ that :func:`kvwire.control.serve` answers on. Both ends run the mutual HMAC
 handshake of :mod:`kvwire.control.auth` before any command: with a key
 (``KVWIRE_CONTROL_KEY`` or a key file) only a peer holding the same key gets
 through; a wrong or missing key is :class:`ControlAuthError`, naming the peer.
+With a key, every line after the handshake, both ways, is an authenticated frame
+(:mod:`kvwire.control.frames`): :class:`PeerConnection` frames and checks its own,
+and :func:`accept_one` hands back a reader and writer that do.
 Listening on a non-loopback address without a key is refused
 (:func:`check_listen_key`); on loopback it is allowed, with a warning.
 """
@@ -16,11 +19,12 @@ from __future__ import annotations
 import contextlib
 import socket
 from collections.abc import Callable
-from typing import IO
+from typing import IO, cast
 
 from kvwire.control.auth import KEY_ENV, client_handshake, is_loopback, server_handshake
 from kvwire.control.channel import Channel
 from kvwire.control.errors import ControlAuthError, ControlClosedError, ControlError
+from kvwire.control.frames import SignedWriter, VerifiedReader
 from kvwire.control.jsonlines import DEFAULT_MAX_BUFFERED, DEFAULT_MAX_DEPTH, DEFAULT_MAX_LINE
 from kvwire.errors import ConfigError
 
@@ -73,13 +77,20 @@ class PeerConnection(Channel):
         except OSError as exc:
             raise ControlClosedError(f"{what} at {self.address} could not be reached: {exc}") from None
         try:
-            client_handshake(self.sock, key, f"{what} at {self.address}", timeout_s)
+            frames = client_handshake(self.sock, key, f"{what} at {self.address}", timeout_s)
         except ControlAuthError:
             self.sock.close()
             raise
         fd = self.sock.fileno()
         super().__init__(
-            fd, fd, what=what, timeout_s=timeout_s, max_line=max_line, max_buffered=max_buffered, max_depth=max_depth
+            fd,
+            fd,
+            what=what,
+            timeout_s=timeout_s,
+            max_line=max_line,
+            max_buffered=max_buffered,
+            max_depth=max_depth,
+            frames=frames,
         )
 
     @property
@@ -119,6 +130,9 @@ def accept_one(
 
     Every connection first runs the handshake with ``key``; one that fails it is closed, reported to
     ``on_refused`` (default: a line on ``announce``) and the next is awaited: a stranger cannot end the wait.
+    With a key, the reader and writer handed back open and seal every line as an authenticated frame
+    (:mod:`kvwire.control.frames`): a frame that is not the next one with its tag raises ControlAuthError from
+    the reader, and the caller closes the connection.
     """
     with socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET) as server:
         bound = server.getsockname()[1]
@@ -129,7 +143,7 @@ def accept_one(
         while True:
             conn, address = server.accept()
             try:
-                server_handshake(conn, key, f"prefill side at {address[0]}:{address[1]}", handshake_s)
+                frames = server_handshake(conn, key, f"prefill side at {address[0]}:{address[1]}", handshake_s)
             except ControlAuthError as exc:
                 conn.close()
                 if on_refused is not None:
@@ -139,4 +153,7 @@ def accept_one(
                     announce.flush()
                 continue
             break
-    return conn, conn.makefile("rb"), conn.makefile("w", encoding="utf-8")
+    reader, writer = conn.makefile("rb"), conn.makefile("w", encoding="utf-8")
+    if frames is None:
+        return conn, reader, writer
+    return conn, cast(IO[bytes], VerifiedReader(reader, frames)), cast(IO[str], SignedWriter(writer, frames))

@@ -4,6 +4,11 @@ The same functions serve a child process over stdin/stdout and a decode process
 over a TCP connection (pass the connection's binary reader and text writer).
 Every line is bounded and parsed by :func:`kvwire.control.jsonlines.parse_object`; a bad
 line or a failing handler is answered with ``{"error": ...}``, never a crash.
+Over a keyed TCP connection the reader and writer are :func:`~kvwire.control.accept_one`'s
+framed ones (:mod:`kvwire.control.frames`): a frame that fails authentication is not a
+bad line to answer but the end of the connection, so :func:`read_command` and
+:func:`serve` raise its :class:`~kvwire.control.ControlAuthError` (nothing of it
+reaches a handler) and the caller closes the connection.
 """
 
 from __future__ import annotations
@@ -35,13 +40,18 @@ def reply(message: dict[str, Any], stream: IO[str] | None = None) -> None:
 def read_command(
     stream: IO[bytes] | None = None, *, max_line: int = DEFAULT_MAX_LINE, max_depth: int = DEFAULT_MAX_DEPTH
 ) -> dict[str, Any] | None:
-    """Child side: the parent's next message, None at EOF; ControlProtocolError for a bad line (consumed whole)."""
+    """Child side: the parent's next message, None at EOF; ControlProtocolError for a bad line (consumed whole).
+
+    From a framed reader, ControlAuthError (or ControlClosedError, cut in the middle of a frame) ends the connection.
+    """
     source = stream if stream is not None else sys.stdin.buffer
     line = source.readline(max_line + 1)
     if not line:
         return None
     if line.endswith(b"\n"):
         line = line[:-1]
+        if len(line) > max_line:  # a framed reader's payload (its frame was read whole, within the bound)
+            raise ControlProtocolError(f"bad command: a line over {max_line} bytes: {preview(line)}")
     elif len(line) > max_line:
         head = line
         while (rest := source.readline(_CHUNK)) and not rest.endswith(b"\n"):

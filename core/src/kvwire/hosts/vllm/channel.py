@@ -2,7 +2,11 @@
 
 Built on :mod:`kvwire.control`: JSON lines over TCP with its bounds and deadlines,
 and its mutual HMAC handshake when ``KVWIRE_CONTROL_KEY`` is set (required for a
-non-loopback ``side_channel_host``). The prefill worker runs a
+non-loopback ``side_channel_host``), after which every registration and every
+reply is a frame with a sequence number and an HMAC tag
+(:mod:`kvwire.control.frames`): a frame altered, replayed or reordered on the
+way closes that connection with a warning naming it, and nothing of it reaches
+the handler; the other connections are served on. The prefill worker runs a
 :class:`RegistrationServer`: one thread accepting, one per decode connection, at
 most :data:`MAX_CONNECTIONS` connections at once (one more is closed as it is
 accepted), each closed once idle for :data:`IDLE_TIMEOUT_S`; a line that has
@@ -32,6 +36,7 @@ from typing import Any, Final
 
 from kvwire.control import (
     Channel,
+    ControlAuthError,
     ControlClosedError,
     ControlError,
     PeerConnection,
@@ -168,9 +173,9 @@ class RegistrationServer:
 
     def _serve(self, conn: socket.socket, name: str) -> None:
         try:
-            server_handshake(conn, self._key, name, self._timeout_s)
+            frames = server_handshake(conn, self._key, name, self._timeout_s)
             fd = conn.fileno()
-            channel = Channel(fd, fd, what=name, timeout_s=self._timeout_s)
+            channel = Channel(fd, fd, what=name, timeout_s=self._timeout_s, frames=frames)
             readable = select.poll()
             readable.register(fd, select.POLLIN)
             idle_since = time.monotonic()
@@ -192,6 +197,8 @@ class RegistrationServer:
                     answer = {"error": f"{type(exc).__name__}: {exc}"}
                 channel.send(answer)
                 idle_since = time.monotonic()
+        except ControlAuthError as exc:  # a frame altered, replayed or forged on the way: operators want to know
+            log.warning("kvwire: side channel to %s closed: %s", name, exc)
         except ControlError as exc:
             log.debug("kvwire: side channel to %s ended: %s", name, exc)
         finally:
