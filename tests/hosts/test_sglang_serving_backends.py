@@ -132,7 +132,7 @@ def _serves(deploy: Any, plain: SimpleNamespace, pair: SimpleNamespace, backend:
         assert "active in sglang" in log and f"backend {backend!r}" in log, server.tail(40)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # one test: its pair is stopped before the next pair starts (at most 3 servers at once)
 def nixl(deploy: Any, plain: SimpleNamespace) -> Iterator[SimpleNamespace]:
     yield from _pair(deploy, plain, "nixl")
 
