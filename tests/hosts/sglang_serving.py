@@ -9,10 +9,13 @@ abort or a dead peer stops that server, which the tests see.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import math
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -33,6 +36,21 @@ LLAMA_BUFFERS = 4
 MLA_PAGE_BYTES = PAGE * 2 * 40 * 4
 MLA_BUFFERS = 2
 LEAK_MARKERS = ("memory leak detected", "double free", "use-after-free")
+
+
+@contextlib.contextmanager
+def one_deployment_at_a_time() -> Iterator[None]:
+    """Held for a module's whole deployment: its sglang servers never start beside another module's.
+
+    xdist workers may run two deployment modules at once (each of 3-6 servers of about 1.5 GB, starting
+    in 20-50 s on two cores alone); together they outgrow the machine and each other's start-up deadlines.
+    """
+    with open(ROOT / ".sglang-servers.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def build_venv() -> None:

@@ -34,6 +34,7 @@ from sglang_serving import (
     counters_delta,
     load_deploy,
     make_model,
+    one_deployment_at_a_time,
     pages,
 )
 
@@ -45,9 +46,10 @@ LENGTHS = [1, 40, 300]
 
 
 @pytest.fixture(scope="module")
-def deploy() -> Any:
+def deploy() -> Iterator[Any]:
     build_venv()
-    return load_deploy()
+    with one_deployment_at_a_time():  # torn down last: held until this module's servers are stopped
+        yield load_deploy()
 
 
 def _start(deploy: Any, model: Path, role: str, work: Path, plugins: str | None = None, *, name: str, **kw: Any) -> Any:

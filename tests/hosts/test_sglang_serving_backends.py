@@ -32,6 +32,7 @@ from sglang_serving import (
     build_venv,
     load_deploy,
     make_model,
+    one_deployment_at_a_time,
     pages,
 )
 
@@ -76,9 +77,10 @@ def sends_by_backend(url: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def deploy() -> Any:
+def deploy() -> Iterator[Any]:
     build_venv()
-    return load_deploy()
+    with one_deployment_at_a_time():  # torn down last: held until this module's servers are stopped
+        yield load_deploy()
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from sglang_serving import (
     counters_delta,
     load_deploy,
     make_model,
+    one_deployment_at_a_time,
     pages,
 )
 
@@ -44,6 +45,13 @@ for port in ports:
         pass
 print(json.dumps(reached))
 """
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _alone() -> Iterator[None]:
+    """No other module's sglang servers start while this module's run (autouse: set up first, torn down last)."""
+    with one_deployment_at_a_time():
+        yield
 
 
 @pytest.fixture(scope="module")

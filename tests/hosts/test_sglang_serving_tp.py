@@ -24,6 +24,7 @@ from sglang_serving import (
     counters_delta,
     load_deploy,
     make_model,
+    one_deployment_at_a_time,
     pages,
 )
 
@@ -37,9 +38,10 @@ PREFILL_ENV = {**STRICT_ENV, "KVWIRE_TIMEOUT_S": "20"}
 
 
 @pytest.fixture(scope="module")
-def deploy() -> Any:
+def deploy() -> Iterator[Any]:
     build_venv()
-    return load_deploy()
+    with one_deployment_at_a_time():  # torn down last: held until this module's servers are stopped
+        yield load_deploy()
 
 
 @pytest.fixture(scope="module")
