@@ -42,6 +42,9 @@ __all__ = [
 FRAME_PREFIX: Final = b"kvwire.peer:1:"
 #: The frame of a decode whose kvwire runs an engine of its own (its endpoint is not sglang's session id).
 ENGINE_FRAME_PREFIX: Final = b"kvwire.peer:2:"
+#: Both prefixes are this long: a frame's first bytes say which form it is, and its JSON starts after them.
+_PREFIX_BYTES: Final = len(FRAME_PREFIX)
+assert len(ENGINE_FRAME_PREFIX) == _PREFIX_BYTES
 #: The largest frame read (a layout of 1,000 buffers is about 90 KB).
 MAX_FRAME_BYTES: Final = 4 << 20
 #: The longest backend name read from a frame.
@@ -80,7 +83,7 @@ def published_from_frames(frames: Sequence[bytes], session_id: str) -> Published
     or describes another session than the one registering.
     """
     prefixes = (FRAME_PREFIX, ENGINE_FRAME_PREFIX)
-    found = [bytes(f) for f in frames if bytes(f[: len(FRAME_PREFIX)]) in prefixes]
+    found = [bytes(f) for f in frames if bytes(f[:_PREFIX_BYTES]) in prefixes]
     if not found:
         return None
     if len(found) > 1:
@@ -91,7 +94,7 @@ def published_from_frames(frames: Sequence[bytes], session_id: str) -> Published
             f"registration of {session_id!r:.200}: kvwire layout frame of {len(frame)} bytes, over {MAX_FRAME_BYTES}"
         )
     try:
-        data = json.loads(frame[len(FRAME_PREFIX) :])
+        data = json.loads(frame[_PREFIX_BYTES:])
     except (ValueError, RecursionError) as exc:
         raise LayoutError(f"registration of {session_id!r:.200}: kvwire layout frame is not JSON ({exc})") from None
     if frame.startswith(FRAME_PREFIX):
