@@ -57,6 +57,20 @@ def main(mode: str) -> int:
         write(b'{"ok": true}\n')
         while sys.stdin.buffer.readline():
             pass
+    elif mode == "noisy_library":  # a well-behaved child whose "native library" writes to fd 1, as UCX does
+        from kvwire.control import claim_stdout, reply, serve
+
+        channel = claim_stdout()
+        write(b"[1796365956.045520] [vm:2620 :0]            sock.c:355  UCX  WARN  unable to read\n")
+        print("and a Python library's print")
+        reply({"ok": True}, channel)
+
+        def echo(message: dict[str, object]) -> dict[str, object]:
+            write(b"UCX  WARN  again, between two replies\n")
+            return {"echo": message.get("x")}
+
+        serve({"echo": echo}, stdout=channel)
+        return 0
     elif mode != "silent":
         raise SystemExit(f"unknown mode {mode!r}")
     linger()

@@ -400,3 +400,11 @@ def test_a_closed_channel_is_an_error_not_a_stray_descriptor(spawn: Spawn) -> No
     for call in (child.read, lambda: child.send({"cmd": "hashes"})):
         with pytest.raises(ControlClosedError, match=r"^peer ignore_quit \(pid \d+\): the channel is closed$"):
             call()
+
+
+def test_a_childs_library_writing_to_stdout_does_not_reach_the_channel(spawn: Spawn) -> None:
+    """claim_stdout(): what a native library writes to fd 1 (UCX's warnings) goes to stderr, not between replies."""
+    child = spawn("noisy_library")
+    assert child.read() == {"ok": True}
+    assert child.request({"cmd": "echo", "x": 5}) == {"echo": 5}
+    assert child.request({"cmd": "echo", "x": [1, 2]}) == {"echo": [1, 2]}

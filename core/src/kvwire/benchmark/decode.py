@@ -34,7 +34,7 @@ from kvwire.benchmark.presets import get_preset
 from kvwire.config import BackendConfig
 from kvwire.connection import Connection
 from kvwire.connection.watcher import NotificationWatcher
-from kvwire.control import accept_one, check_listen_key, parse_address, read_command, reply, serve
+from kvwire.control import accept_one, check_listen_key, claim_stdout, parse_address, read_command, reply, serve
 from kvwire.landing import Landing
 from kvwire.layout.buffers import MemoryKind
 from kvwire.layout.kv_layout import KVLayout
@@ -209,7 +209,7 @@ def _session(
 
 def main(raw: str) -> int:
     """Child mode: arguments on the command line, the channel on stdin/stdout."""
-    return _session(json.loads(raw), None, None, None)
+    return _session(json.loads(raw), None, claim_stdout(), None)
 
 
 def listen(address: str, host: str, key: bytes | None = None, step: Callable[[str], None] | None = None) -> int:

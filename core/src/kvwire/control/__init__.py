@@ -24,7 +24,7 @@ from kvwire.control.errors import (
 )
 from kvwire.control.network import PeerConnection, accept_one, check_listen_key, parse_address
 from kvwire.control.process import ChildProcess
-from kvwire.control.serving import Handler, read_command, reply, serve
+from kvwire.control.serving import Handler, claim_stdout, read_command, reply, serve
 
 __all__ = [
     "KEY_ENV",
@@ -39,6 +39,7 @@ __all__ = [
     "PeerConnection",
     "accept_one",
     "check_listen_key",
+    "claim_stdout",
     "load_key",
     "parse_address",
     "read_command",

@@ -9,12 +9,18 @@ framed ones (:mod:`kvwire.control.frames`): a frame that fails authentication is
 bad line to answer but the end of the connection, so :func:`read_command` and
 :func:`serve` raise its :class:`~kvwire.control.ControlAuthError` (nothing of it
 reaches a handler) and the caller closes the connection.
+
+A child's stdout is its channel, and only its: :func:`claim_stdout` keeps a private
+descriptor for the replies and points file descriptor 1 at stderr, so a native
+library a backend loads (UCX under NIXL prints its warnings to fd 1) cannot put a
+line of its own between two replies.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable, Mapping
 from typing import IO, Any
@@ -22,12 +28,26 @@ from typing import IO, Any
 from kvwire.control.errors import ControlProtocolError
 from kvwire.control.jsonlines import DEFAULT_MAX_DEPTH, DEFAULT_MAX_LINE, LineError, parse_object, preview
 
-__all__ = ["Handler", "read_command", "reply", "serve"]
+__all__ = ["Handler", "claim_stdout", "read_command", "reply", "serve"]
 
 #: A handler of one command: the message in, the reply out.
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
 _CHUNK = 1 << 16
+
+
+def claim_stdout() -> IO[str]:
+    """Child side, first thing: the channel's own writer; fd 1 and ``sys.stdout`` go to stderr from now on.
+
+    Measured: under load, NIXL's UCX printed ``[...] sock.c:355 UCX WARN ...`` to fd 1 of a contract-kit
+    receiver, and the parent refused the line as "not JSON". Whatever a library writes to stdout after
+    this call lands in the child's stderr, which the parent shows when the child fails.
+    """
+    sys.stdout.flush()
+    channel = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return channel
 
 
 def reply(message: dict[str, Any], stream: IO[str] | None = None) -> None:

@@ -21,7 +21,7 @@ from kvwire.config import BackendConfig
 from kvwire.connection import Connection
 from kvwire.connection.watcher import Arrival as WatchedArrival
 from kvwire.connection.watcher import NotificationWatcher
-from kvwire.control import ChildProcess, ControlProtocolError, reply, serve
+from kvwire.control import ChildProcess, ControlProtocolError, claim_stdout, reply, serve
 from kvwire.layout.buffers import HeadLayout, MemoryKind, Role
 from kvwire.layout.kv_layout import KVLayout
 from kvwire.layout.peer import PeerDescription
@@ -226,13 +226,14 @@ class SubprocessReceiver:
 
 def run_receiver(backend: str, spec_json: str, seed: int, config_json: str = "{}") -> int:
     """Run a receiver for the parent process over stdin/stdout (``python -m kvwire.testing.serve``)."""
+    channel = claim_stdout()
     try:
         config = BackendConfig.from_dict(json.loads(config_json))
         receiver = InProcessReceiver(backend, LayoutSpec.from_dict(json.loads(spec_json)), seed, config)
     except Exception as exc:
-        reply({"error": f"{type(exc).__name__}: {exc}"})
+        reply({"error": f"{type(exc).__name__}: {exc}"}, channel)
         return 1
-    reply(PeerDescription(receiver.endpoint, receiver.layout).to_dict())
+    reply(PeerDescription(receiver.endpoint, receiver.layout).to_dict(), channel)
 
     def start_watch(request: dict[str, Any]) -> dict[str, Any]:
         receiver.start_watch({bytes.fromhex(m): ids for m, ids in request["pages"].items()})
@@ -244,7 +245,7 @@ def run_receiver(backend: str, spec_json: str, seed: int, config_json: str = "{}
 
     handlers = {"hashes": lambda _: {"hashes": receiver.hashes()}, "start_watch": start_watch, "collect": collect}
     try:
-        serve(handlers)
+        serve(handlers, stdout=channel)
     finally:
         receiver.close()
     return 0
