@@ -5,6 +5,10 @@ A wheel is downloaded once per version with ``pip download --no-deps
 ``~/.cache/kvwire-tests/sglang``), and its ``sglang/**/*.py`` extracted next to
 it. Both steps write into a temporary directory first and then rename it into
 place, so concurrent pytest sessions never see a half-written wheel or tree.
+
+:func:`sglang_release_overlay` extracts a whole wheel instead (package data and ``dist-info`` too): put on
+``PYTHONPATH`` in front of the pinned sglang venv, that release is the one sglang's processes import and the
+one ``importlib.metadata`` reports.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from pathlib import Path
 
 import pytest
 from offline import index_unreachable
+
+from kvwire.hosts.host_range import SUPPORTED
 
 DOWNLOAD_TIMEOUT_S = 600
 
@@ -66,13 +72,23 @@ def _download(version: str, directory: Path) -> Path:
     return target
 
 
-def _extract(wheel: Path, tree: Path) -> None:
+def sglang_release_overlay(version: str) -> Path:
+    """A directory holding sglang ``version``'s whole wheel, extracted: its package and its ``dist-info``."""
+    base = cache_root() / version
+    tree = base / "overlay"
+    if not (tree / "sglang").is_dir():
+        base.mkdir(parents=True, exist_ok=True)
+        _extract(_download(version, base / "wheel"), tree, everything=True)
+    return tree
+
+
+def _extract(wheel: Path, tree: Path, *, everything: bool = False) -> None:
     staging = Path(tempfile.mkdtemp(dir=tree.parent, prefix=".extract-"))
     try:
         try:
             with zipfile.ZipFile(wheel) as archive:
                 for info in archive.infolist():
-                    if info.filename.startswith("sglang/") and info.filename.endswith(".py"):
+                    if everything or (info.filename.startswith("sglang/") and info.filename.endswith(".py")):
                         archive.extract(info, staging)  # zipfile drops ".." and absolute parts
         except zipfile.BadZipFile as exc:
             wheel.unlink(missing_ok=True)
@@ -99,18 +115,50 @@ def sglang_source() -> Callable[[str], Path]:
     return get
 
 
-@pytest.fixture(scope="session")
-def vllm_python() -> Path:
-    """The interpreter of the pinned vLLM venv (``.venv-vllm``), built by its make_venv.sh when missing or stale.
+#: The vLLM releases the connector supports (kvwire.hosts.host_range.SUPPORTED), oldest first; make_venv.sh
+#: builds the newest by default, into ``.venv-vllm``, and another one into ``.venv-vllm-<version>``.
+VLLM_RELEASES: tuple[str, ...] = SUPPORTED["vllm"]
 
-    The first use waits for a cold build (about 2-4 minutes); the test skips only when the package index is
-    unreachable (make_venv.sh's exit 3).
+
+def vllm_venv_python(version: str) -> Path:
+    """The interpreter of the pinned vLLM ``version`` venv, built by make_venv.sh when missing or stale.
+
+    A cold build takes about 1-2 minutes; the test skips only when the package index is unreachable
+    (make_venv.sh's exit 3).
     """
     root = Path(__file__).parents[2]
-    venv = root / ".venv-vllm"
+    venv = root / (".venv-vllm" if version == VLLM_RELEASES[-1] else f".venv-vllm-{version}")
     script = Path(__file__).parent / "vllm" / "make_venv.sh"
-    proc = subprocess.run(["bash", str(script), str(venv)], capture_output=True, text=True, timeout=1800, cwd=root)
+    env = {**os.environ, "VLLM_VERSION": version}
+    proc = subprocess.run(
+        ["bash", str(script), str(venv)], capture_output=True, text=True, timeout=1800, cwd=root, env=env
+    )
     if proc.returncode == 3:
         index_unreachable(proc.stderr.strip().splitlines()[-1])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return venv / "bin" / "python"
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The newest supported vLLM release's venv (``.venv-vllm``)."""
+    return vllm_venv_python(VLLM_RELEASES[-1])
+
+
+@pytest.fixture(scope="session", params=VLLM_RELEASES)
+def each_vllm_python(request: pytest.FixtureRequest) -> Path:
+    """Each supported vLLM release's venv in turn: a test taking it runs once per release."""
+    return vllm_venv_python(request.param)
+
+
+@pytest.fixture(scope="session")
+def sglang_release() -> Callable[[str], Path]:
+    """``(version) -> Path`` of :func:`sglang_release_overlay`; skips when the wheel cannot be had."""
+
+    def get(version: str) -> Path:
+        try:
+            return sglang_release_overlay(version)
+        except SourceUnavailable as exc:
+            index_unreachable(f"sglang {version} wheel unavailable: {exc}")
+
+    return get
