@@ -9,9 +9,10 @@ from kvwire.hosts.host_range import SUPPORTED, UnsupportedHostError, host_decisi
 
 
 def test_the_tested_releases_are_used() -> None:
-    assert SUPPORTED == {"sglang": ("0.5.23",), "vllm": ("0.33.0",)}
+    assert SUPPORTED == {"sglang": ("0.5.23",), "vllm": ("0.32.0", "0.33.0")}
     assert host_decision("sglang", "0.5.23", env={}) == "use"
-    assert host_decision("vllm", "0.33.0", env={"KVWIRE_VLLM_UNSUPPORTED": "try"}) == "use"
+    for release in ("0.32.0", "0.33.0"):
+        assert host_decision("vllm", release, env={"KVWIRE_VLLM_UNSUPPORTED": "try"}) == "use"
 
 
 def test_another_release_is_refused_naming_it_the_supported_ones_and_the_setting() -> None:
@@ -23,9 +24,9 @@ def test_another_release_is_refused_naming_it_the_supported_ones_and_the_setting
     )
     assert isinstance(exc.value, ConfigError)
     with pytest.raises(UnsupportedHostError) as exc:
-        host_decision("vllm", "0.32.1", env={})
+        host_decision("vllm", "0.31.0", env={})
     assert str(exc.value) == (
-        "vllm 0.32.1 is not a release kvwire supports (tested: 0.33.0); install vllm==0.33.0, or set "
+        "vllm 0.31.0 is not a release kvwire supports (tested: 0.32.0, 0.33.0); install vllm==0.33.0, or set "
         "KVWIRE_VLLM_UNSUPPORTED to try (use kvwire untested)"
     )
 

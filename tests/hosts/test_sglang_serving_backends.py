@@ -69,7 +69,7 @@ def sends_by_backend(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         text = r.read().decode()
     found: dict[str, float] = {}
-    for m in re.finditer(r'^kvwire_send_bytes_total\{([^}]*)\} (\S+)$', text, re.M):
+    for m in re.finditer(r"^kvwire_send_bytes_total\{([^}]*)\} (\S+)$", text, re.M):
         backend = re.search(r'backend="([^"]*)"', m.group(1))
         if backend:
             found[backend.group(1)] = found.get(backend.group(1), 0.0) + float(m.group(2))

@@ -1,6 +1,8 @@
-"""The vLLM connector in the pinned vLLM venv: built on vLLM 0.33.0, refused on another release unless ``try``.
+"""The vLLM connector in the pinned vLLM venv: supported on vLLM 0.32.0 and 0.33.0, refused on another release
+unless ``try``.
 
-The release kvwire reads is seen as 0.32.1 for the refusal; the check comes first in the connector's
+The release kvwire reads is seen as 0.34.0 for the refusal (a newer release: its CUDA torch 2.14 pin is more than
+this CPU machine installs); the check comes first in the connector's
 constructor, so vLLM fails at start with the reason, before any config is read.
 """
 
@@ -37,12 +39,12 @@ def _build(python: Path, version: str, **env: str) -> str:
 
 
 def test_the_connector_refuses_an_unsupported_vllm_unless_told_to_try(vllm_python: Path) -> None:
-    assert _build(vllm_python, "0.32.1") == (
-        "UnsupportedHostError vllm 0.32.1 is not a release kvwire supports (tested: 0.33.0); install "
+    assert _build(vllm_python, "0.34.0") == (
+        "UnsupportedHostError vllm 0.34.0 is not a release kvwire supports (tested: 0.32.0, 0.33.0); install "
         "vllm==0.33.0, or set KVWIRE_VLLM_UNSUPPORTED to try (use kvwire untested)"
     )
     # past the check (the supported release, or "try"), the constructor goes on to read vLLM's config
-    for version, env in (("0.33.0", {}), ("0.32.1", {"KVWIRE_VLLM_UNSUPPORTED": "try"})):
+    for version, env in (("0.33.0", {}), ("0.34.0", {"KVWIRE_VLLM_UNSUPPORTED": "try"})):
         assert (
             _build(vllm_python, version, **env)
             == "AttributeError 'NoneType' object has no attribute 'kv_transfer_config'"

@@ -31,10 +31,10 @@ def _totals(samples: dict[str, float]) -> dict[str, float]:
     return {key.split("[")[0]: value for key, value in samples.items() if "('le'," not in key}
 
 
-def test_transfers_show_in_vllms_own_connector_metrics(vllm_python: Path) -> None:
+def test_transfers_show_in_vllms_own_connector_metrics(each_vllm_python: Path) -> None:
     extra: dict[str, Any] = {"backend": "nixl", "side_channel_port": free_port_run(2), "load_timeout_s": 8.0}
     extra["transfer_timeout_s"] = 5
-    prefill, decode = NodeProcess(vllm_python, "prefill"), NodeProcess(vllm_python, "decode")
+    prefill, decode = NodeProcess(each_vllm_python, "prefill"), NodeProcess(each_vllm_python, "decode")
     try:
         prefill.call("start", role="prefill", extra=extra)
         decode.call("start", role="decode", extra=extra, filler_tokens=PROMPT)

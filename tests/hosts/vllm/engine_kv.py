@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from releases import kv_cache_configs
 from vllm.config import VllmConfig
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
-from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MLAAttentionSpec
 from vllm.v1.worker.utils import allocate_kv_cache, select_common_block_size
@@ -99,9 +99,8 @@ def engine_kv_caches(config: VllmConfig, backend: str, layers: list[str], num_bl
     specs: dict[str, KVCacheSpec] = {name: spec for name in layers}
     supported = [layout.name for layout in get_supported_kv_cache_layouts([cls])]
     layout = resolve_kv_cache_layout(config, [supported], specs.values())
-    groups = get_global_kv_cache_groups(config, [specs])
     memory = num_blocks * spec.page_size_bytes * len(layers)
-    (kv_cache_config,) = get_kv_cache_configs(config, [specs], [memory], groups)
+    (kv_cache_config,) = kv_cache_configs(config, [specs], [memory])
     kv_cache_config.kv_cache_layout = config.cache_config.kv_cache_layout
     config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     kernel = select_common_block_size(spec.block_size, [cls], [spec])

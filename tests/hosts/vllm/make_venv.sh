@@ -18,7 +18,9 @@
 # "vllm venv: package index unreachable (...)", so tests can skip with it); 4 a local prerequisite is
 # missing (python3.11, the torch wheel); anything else: a real failure.
 #
-# Overrides (environment): PYTHON (python3.11), TORCH_WHEEL, MOONCAKE_ENGINE, PIP_INDEX_URL.
+# Overrides (environment): PYTHON (python3.11), TORCH_WHEEL, MOONCAKE_ENGINE, PIP_INDEX_URL, VLLM_VERSION
+# (0.33.0; 0.32.0, the previous minor release, declares the same torch and a transformers range that holds
+# requirements.txt's: tests/hosts/conftest.py builds .venv-vllm-0.32.0 with it).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -28,7 +30,7 @@ case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 VENV="${VENV%/}"
 
 PYTHON="${PYTHON:-python3.11}"
-VLLM="vllm==0.33.0"
+VLLM="vllm==${VLLM_VERSION:-0.33.0}"
 TORCH_WHEEL="${TORCH_WHEEL:-/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl}"
 # vLLM's NixlConnector imports nixl._api: the `nixl` meta package re-exports the wheel of one CUDA major
 # (nixl-cu12, as in the repo's .venv; it runs on CPU with the UCX backend). Both --no-deps.
@@ -53,7 +55,7 @@ if venv_up_to_date; then exit 0; fi
 start_build
 
 pip_install "${BOOTSTRAP[@]}"
-pip_install "$VLLM"  # a 336 MB wheel (the CUDA build; its Python side is what runs here)
+pip_install "$VLLM"  # a 326-336 MB wheel (the CUDA build; its Python side is what runs here)
 pip_install "$TORCH_WHEEL"
 pip_install -r "$REQUIREMENTS"
 pip_install "${NIXL[@]}"
@@ -62,8 +64,8 @@ for pin in "$MOONCAKE_ENGINE" "${NIXL[1]}"; do check_pin_against_repo "$pin"; do
 pip_install --no-build-isolation -e "$REPO/core" -e "$REPO/plugins/mooncake" -e "$REPO/plugins/nixl"
 
 # Fail here, not in the tests, if the chain no longer imports.
-VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -W ignore -c "
-import vllm.config, vllm.v1.core.sched.scheduler, vllm.v1.core.kv_cache_planning, vllm.v1.worker.utils
+VLLM_TARGET_DEVICE=cpu PYTHONPATH="$HERE" "$VENV/bin/python" -W ignore -c "
+import vllm.config, vllm.v1.core.sched.scheduler, vllm.v1.worker.utils, releases
 import vllm.v1.attention.backends.cpu_attn, vllm.distributed.kv_transfer.kv_connector.v1.nixl
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.platforms import current_platform

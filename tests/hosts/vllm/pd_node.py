@@ -42,8 +42,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPLIES = os.fdopen(os.dup(1), "w", encoding="utf-8")  # vLLM logs to stdout: keep the real one for replies
-os.dup2(2, 1)
+from kvwire.control import claim_stdout
+
+REPLIES = claim_stdout()  # vLLM logs to stdout: the replies keep the real one, the rest goes to stderr
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("UCX_MODULES", "^efa")
@@ -52,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import probe_scheduler  # noqa: E402  (next to this script: sys.path[0])
 import torch  # noqa: E402
 from engine_kv import TINY_DEEPSEEK, engine_kv_caches  # noqa: E402
+from releases import engine_request  # noqa: E402
 from vllm.config import (  # noqa: E402
     DeviceConfig,
     KVTransferConfig,
@@ -193,7 +195,7 @@ class Node:
     def _request(self, req_id: str, n: int, params: dict[str, Any] | None, max_tokens: int) -> Request:
         extra = {"kv_transfer_params": params} if params is not None else None
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
-        return Request(req_id, [3 + (i % 900) for i in range(n)], sp, None)
+        return engine_request(req_id, n, sp, BLOCK_SIZE)
 
     def block(self, layer: str, b: int) -> torch.Tensor:
         """Block ``b`` (vLLM's block id) of ``layer``: its kernel blocks, one contiguous run."""

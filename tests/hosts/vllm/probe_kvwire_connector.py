@@ -30,13 +30,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
 from probe_scheduler import TINY_LLAMA, one_token  # noqa: E402
+from releases import engine_request, get_kv_cache_config_from_groups  # noqa: E402
 from vllm.config import DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend  # noqa: E402
 from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout  # noqa: E402
-from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
@@ -124,9 +124,8 @@ def factory() -> dict[str, Any]:
 
 
 def request(req_id: str, n: int, params: dict[str, Any]) -> Request:
-    return Request(
-        req_id, list(range(3, 3 + n)), SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}), None
-    )
+    sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params})
+    return engine_request(req_id, n, sp, 16)
 
 
 def new_scheduler(role: str, model_dir: str) -> Scheduler:
@@ -156,13 +155,14 @@ def scheduler(model_dir: str) -> dict[str, Any]:
     out["producer_second_meta"] = repr(sched.kv_connector_metadata.step)
 
     d = new_scheduler("kv_consumer", model_dir)
-    d.add_request(request("filler", 20, {}))  # holds blocks 1-2: the decode's ids differ from the prefill's
+    d.add_request(request("filler", 20, {}))  # holds blocks: the decode's ids differ from the prefill's
     d.update_from_output(sched := d.schedule(), one_token(sched))
     d.add_request(request("d0", 40, dict(params)))
     sched = d.schedule()
     out["consumer_status"] = str(d.requests["d0"].status)
     out["consumer_meta"] = repr(sched.kv_connector_metadata.step)
     out["consumer_blocks"] = [list(b) for b in d.kv_cache_manager.get_block_ids("d0")]
+    out["filler_blocks"] = [list(b) for b in d.kv_cache_manager.get_block_ids("filler")]
     wrong = dict(params, kvwire=None)
     d.add_request(request("d1", 40, wrong))  # params from another connector: computed here
     sched = d.schedule()

@@ -30,10 +30,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))  # stub_connector
 
 import torch
+from releases import engine_request, get_kv_cache_config_from_groups
 from stub_connector import KvwireConnector
 from vllm.config import DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
-from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -89,7 +89,7 @@ def build(model_dir: str, kv_role: str) -> Scheduler:
 
 def request(req_id: str, n_prompt: int, params: dict[str, Any]) -> Request:
     sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params})
-    return Request(req_id, list(range(3, 3 + n_prompt)), sp, None)
+    return engine_request(req_id, n_prompt, sp, 16)
 
 
 def one_token(sched_out: Any, kv_out: KVConnectorOutput | None = None) -> ModelRunnerOutput:

@@ -22,8 +22,11 @@ from kvwire.errors import ConfigError
 
 __all__ = ["SUPPORTED", "UnsupportedHostError", "host_decision", "setting_name"]
 
-#: Each host's releases kvwire is tested against (``make test-all``), as ``importlib.metadata`` spells them.
-SUPPORTED: Final[Mapping[str, tuple[str, ...]]] = {"sglang": ("0.5.23",), "vllm": ("0.33.0",)}
+#: Each host's releases kvwire is tested against (``make test-all``), oldest first, as ``importlib.metadata``
+#: spells them. vLLM 0.32.0 is the previous minor release; its ``KVConnectorBase_V1`` lacks three methods 0.33.0
+#: added (``supports_sleep_mode``, ``unregister_kv_caches``, ``restore_kv_caches``), none of which kvwire's
+#: connector overrides.
+SUPPORTED: Final[Mapping[str, tuple[str, ...]]] = {"sglang": ("0.5.23",), "vllm": ("0.32.0", "0.33.0")}
 _CHOICES: Final[Mapping[str, tuple[str, ...]]] = {"sglang": ("fallback", "try"), "vllm": ("try",)}
 
 Decision = Literal["use", "fallback", "try"]
