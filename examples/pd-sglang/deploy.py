@@ -30,10 +30,7 @@ from typing import Any
 #: sglang's CPU server (measured on a 2-core machine; see TRANSPORT-FACTS.md in the kvwire repository).
 #: ``--max-total-tokens`` sizes the KV pool; ``--mem-fraction-static`` only has to pass sglang's check that free
 #: memory after loading exceeds ``(1 - fraction)`` x free memory before it, which counts the whole machine: at 0.05
-#: a second server loading at the same time on a machine with 8 GB free failed that check. ``--sleep-on-idle``:
-#: without it an idle scheduler polls its sockets in a busy loop, one whole core per server (measured: 1.01 cores
-#: idle, 0.01 with it); six servers on two cores then starved each other until sglang's own start-up warmup gave
-#: up and killed one. sglang sleeps only when fully idle: never with a transfer queued or in flight.
+#: a second server loading at the same time on a machine with 8 GB free failed that check.
 CPU_FLAGS: tuple[str, ...] = (
     "--device", "cpu",
     "--attention-backend", "torch_native",
@@ -43,8 +40,12 @@ CPU_FLAGS: tuple[str, ...] = (
     "--mem-fraction-static", "0.5",
     "--max-total-tokens", "4096",
     "--skip-tokenizer-init",
-    "--sleep-on-idle",
 )  # fmt: skip
+#: Every server, GPU or not: without ``--sleep-on-idle`` an idle scheduler polls its sockets in a busy loop, one
+#: whole core per server (measured: 1.01 cores idle, 0.01 with it); six servers on two cores then starved each
+#: other until sglang's own start-up warmup gave up and killed one. sglang sleeps only when fully idle: never
+#: with a transfer queued or in flight.
+IDLE_FLAGS: tuple[str, ...] = ("--sleep-on-idle",)
 #: The environment of every CPU server: sglang's CPU engine, Mooncake over TCP, and sglang's CPU PD gap 3
 #: (a prefix-cache hit's early send makes a torch.cuda.Event; ``disaggregation/prefill.py``).
 CPU_ENV: dict[str, str] = {
@@ -159,7 +160,7 @@ def start_server(
         raise ValueError(f"role must be 'single', 'prefill' or 'decode', got {role!r}")
     port = port or free_port(host)
     argv = [python, "-m", "sglang.launch_server", "--model-path", str(model), "--host", host, "--port", str(port)]
-    argv += [*CPU_FLAGS, "--page-size", str(page_size), "--enable-metrics"]
+    argv += [*CPU_FLAGS, *IDLE_FLAGS, "--page-size", str(page_size), "--enable-metrics"]
     argv += ["--nccl-port", str(free_port(host) if netns is None else port + 3)]
     if tp_size != 1:
         argv += ["--tp-size", str(tp_size)]

@@ -136,7 +136,15 @@ def vllm_venv_python(version: str) -> Path:
     if proc.returncode == 3:
         index_unreachable(proc.stderr.strip().splitlines()[-1])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return venv / "bin" / "python"
+    python = venv / "bin" / "python"
+    shown = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shown.stdout.strip() == version, (venv, shown.stdout, shown.stderr[-2000:])
+    return python
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
-"""kvwire's vLLM connector (``kvwire.hosts.vllm.KvwireConnector``) run by vLLM 0.33.0's own classes, on CPU.
+"""kvwire's vLLM connector (``kvwire.hosts.vllm.KvwireConnector``) run by vLLM's own classes, on CPU.
 
-Everything runs in the cached ``.venv-vllm`` (see ``test_vllm_real.py`` and tests/hosts/vllm/README.md):
+Once per supported release (0.32.0 and 0.33.0: ``each_vllm_python``), each in its cached venv (``.venv-vllm``,
+``.venv-vllm-0.32.0``) (see ``test_vllm_real.py`` and tests/hosts/vllm/README.md):
 
 * ``probe_kvwire_connector.py`` (one process): ``KVConnectorFactory`` builds the connector for both roles
   from a real ``VllmConfig``; the worker maps and registers what vLLM's ``allocate_kv_cache`` returns; vLLM's
@@ -101,7 +102,8 @@ def test_vllms_factory_and_scheduler_run_the_kvwire_connector(each_vllm_python: 
     # which free blocks vLLM hands out is its allocator's business (0.32.0 and 0.33.0 differ): three of them,
     # none the local request holds, and exactly those in the step's metadata
     (blocks,) = sched["consumer_blocks"]
-    assert len(set(blocks)) == 3 and 0 not in blocks and not set(blocks) & set(sched["filler_blocks"][0]), sched
+    assert len(blocks) == 3 == len(set(blocks)) and 0 not in blocks, sched
+    assert not set(blocks) & set(sched["filler_blocks"][0]), sched
     assert (
         f"ToReceive(request_id='d0', block_ids={tuple(blocks)}, remote=RemotePrefill(request_id='p0'"
         in (sched["consumer_meta"])

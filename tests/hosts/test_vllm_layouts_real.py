@@ -1,4 +1,4 @@
-"""kvwire's vLLM connector on the KV layouts vLLM 0.33.0 resolves itself, run in the cached ``.venv-vllm`` (slow).
+"""kvwire's vLLM connector on the KV layouts vLLM resolves itself, once per supported release (slow).
 
 No test here sets a layout by hand; the one that forces one does it the operator's way
 (``VLLM_KV_CACHE_LAYOUT``) to check its refusal.

@@ -1,4 +1,4 @@
-"""kvwire's transfers in vLLM 0.33.0's own metrics, read back from vLLM's stats path (slow, in ``.venv-vllm``).
+"""kvwire's transfers in vLLM's own metrics, read back from vLLM's stats path (slow, once per supported release).
 
 A prefill and a decode ``pd_node.py`` (real Schedulers with ``log_stats``) move requests through kvwire-nixl;
 each step's ``KVConnectorOutput.kv_connector_stats`` goes through the Scheduler's ``make_stats`` into

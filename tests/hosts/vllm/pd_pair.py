@@ -28,6 +28,7 @@ def node_env() -> dict[str, str]:
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
     env.update({"UCX_MODULES": "^efa", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_LOGGING_LEVEL": "WARNING"})
     env.pop("PYTHONPATH", None)
+    env.pop("KVWIRE_VLLM_UNSUPPORTED", None)  # a release's support is what the node shows, never assumed
     return env
 
 

@@ -31,8 +31,9 @@ from typing import Any
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REPLY = os.fdopen(os.dup(1), "w", encoding="utf-8")  # vLLM logs to stdout
-os.dup2(2, 1)
+from kvwire.control import claim_stdout
+
+REPLY = claim_stdout()  # vLLM logs to stdout: the reply keeps the real one
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[2]))  # tests/: ports
 

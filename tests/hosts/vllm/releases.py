@@ -10,11 +10,12 @@ otherwise the same (read from both wheels), so the harness calls :func:`kv_cache
 configured, with the prefix-caching block hasher (vLLM's default ``sha256``): 0.32.0's block pool indexes a
 full block's hash unconditionally (an ``IndexError`` for a request made without one), and with it the
 scheduler's prefix cache runs as in a served engine. Its prompt is :func:`prompt`: requests of different
-pairs share no block, so no test meets a prefix-cache hit it did not ask for.
+pairs share no block.
 """
 
 from __future__ import annotations
 
+import random
 import zlib
 from typing import Any
 
@@ -43,11 +44,15 @@ __all__ = ["engine_request", "get_kv_cache_config_from_groups", "kv_cache_config
 
 
 def prompt(req_id: str, n: int) -> list[int]:
-    """``n`` token ids (3..902) for request ``req_id``: ``pN`` and ``dN`` (a prefill and its decode) share
-    theirs; any other request's start elsewhere, so their first blocks (and every later hash) differ."""
+    """``n`` token ids (3..902) for request ``req_id``, drawn from a generator seeded by its key.
+
+    The key of ``pN`` and ``dN`` (a prefill and its decode) is ``N``, so they share a prompt; any other
+    request's is its id. Two keys' first blocks coincide with a chance of 900**-16 per pair: no test meets a
+    prefix-cache hit it did not ask for.
+    """
     key = req_id[1:] if req_id[:1] in ("p", "d") and req_id[1:].isdigit() else req_id
-    start = zlib.crc32(key.encode()) % 900
-    return [3 + (start + i) % 900 for i in range(n)]
+    draw = random.Random(zlib.crc32(key.encode()))
+    return [3 + draw.randrange(900) for _ in range(n)]
 
 
 def engine_request(req_id: str, n: int, sampling_params: SamplingParams, block_size: int) -> Request:

@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
@@ -34,6 +35,8 @@ __all__ = ["Handler", "claim_stdout", "read_command", "reply", "serve"]
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
 _CHUNK = 1 << 16
+_claimed: IO[str] | None = None
+_claim_lock = threading.Lock()
 
 
 def claim_stdout() -> IO[str]:
@@ -41,13 +44,18 @@ def claim_stdout() -> IO[str]:
 
     Measured: under load, NIXL's UCX printed ``[...] sock.c:355 UCX WARN ...`` to fd 1 of a contract-kit
     receiver, and the parent refused the line as "not JSON". Whatever a library writes to stdout after
-    this call lands in the child's stderr, which the parent shows when the child fails.
+    this call goes to the child's stderr (the parent's, inherited). It takes fd 1 over for the rest of the
+    process, so only a child's entry point calls it; a second call returns the same writer.
     """
-    sys.stdout.flush()
-    channel = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return channel
+    global _claimed
+    with _claim_lock:
+        if _claimed is None:
+            sys.stdout.flush()
+            channel = os.fdopen(os.dup(1), "w", encoding="utf-8")
+            os.dup2(2, 1)
+            sys.stdout = sys.stderr
+            _claimed = channel
+        return _claimed
 
 
 def reply(message: dict[str, Any], stream: IO[str] | None = None) -> None:

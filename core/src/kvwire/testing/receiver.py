@@ -225,7 +225,10 @@ class SubprocessReceiver:
 
 
 def run_receiver(backend: str, spec_json: str, seed: int, config_json: str = "{}") -> int:
-    """Run a receiver for the parent process over stdin/stdout (``python -m kvwire.testing.serve``)."""
+    """Run a receiver for the parent process over stdin/stdout (``python -m kvwire.testing.serve``).
+
+    It takes the process's fd 1 over for its replies (:func:`~kvwire.control.claim_stdout`): a child's entry point.
+    """
     channel = claim_stdout()
     try:
         config = BackendConfig.from_dict(json.loads(config_json))
