@@ -2,6 +2,6 @@
 
 import sys
 
-from kvwire.cli.main import main
+from kvwire.cli.main import console
 
-sys.exit(main())
+sys.exit(console())

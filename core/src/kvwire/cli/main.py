@@ -24,6 +24,7 @@ from kvwire.registry.installed import VersionAction, install_problems, versions
 from kvwire.registry.isolation import DEFAULT_TIMEOUT, check_isolated
 from kvwire.registry.loading import BackendInfo
 from kvwire.registry.manager import Registry, allow_list_error, installed_backends
+from kvwire.stdout import take_stdout
 
 __all__ = ["main"]
 
@@ -293,8 +294,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def console() -> int:
+    """The ``kvwire`` command's process entry (console script, ``python -m kvwire``): :func:`main`, with what
+    libraries write to fd 1 sent to stderr (:func:`kvwire.stdout.take_stdout`), so the command's own output
+    (a ``--json`` document, a table) is all that reaches stdout."""
+    out = sys.stdout
+    line = 1 if out.line_buffering else -1  # a terminal's stdout stays line-buffered
+    sys.stdout = open(take_stdout(), "w", buffering=line, encoding=out.encoding, errors=out.errors)  # noqa: SIM115
+    return main()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvwire`` console script."""
+    """The ``kvwire`` command on ``argv`` (default: the process's arguments), in this process: tests and
+    embedders call it; :func:`console` is the process entry."""
     args = _parser().parse_args(argv)
     try:
         code: int = args.func(args)

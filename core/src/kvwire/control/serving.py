@@ -28,6 +28,7 @@ from typing import IO, Any
 
 from kvwire.control.errors import ControlProtocolError
 from kvwire.control.jsonlines import DEFAULT_MAX_DEPTH, DEFAULT_MAX_LINE, LineError, parse_object, preview
+from kvwire.stdout import take_stdout
 
 __all__ = ["Handler", "claim_stdout", "read_command", "reply", "serve"]
 
@@ -50,9 +51,7 @@ def claim_stdout() -> IO[str]:
     global _claimed
     with _claim_lock:
         if _claimed is None:
-            sys.stdout.flush()
-            channel = os.fdopen(os.dup(1), "w", encoding="utf-8")
-            os.dup2(2, 1)
+            channel = os.fdopen(take_stdout(), "w", encoding="utf-8")
             sys.stdout = sys.stderr
             _claimed = channel
         return _claimed

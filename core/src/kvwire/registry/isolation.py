@@ -39,6 +39,7 @@ from kvwire.registry.loading import (
     module_of,
 )
 from kvwire.registry.manager import Registry
+from kvwire.stdout import take_stdout
 
 __all__ = ["DEFAULT_TIMEOUT", "Job", "check_isolated"]
 
@@ -255,8 +256,7 @@ def _fork_all(jobs: list[Job], timeout: float, send: Send, channel: int) -> None
 
 def main() -> int:
     """The child: read the request on stdin, answer on the original stdout, plugins' output to stderr."""
-    channel = os.dup(1)
-    os.dup2(2, 1)
+    channel = take_stdout()
     request = json.loads(sys.stdin.buffer.read())
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
