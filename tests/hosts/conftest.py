@@ -102,17 +102,22 @@ def _extract(wheel: Path, tree: Path, *, everything: bool = False) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def sglang_source() -> Callable[[str], Path]:
-    """``(version) -> Path`` of the directory holding that release's ``sglang/`` source; skips when unavailable."""
+def _or_skip(fetch: Callable[[str], Path], what: str) -> Callable[[str], Path]:
+    """``fetch``, skipping the test (through :func:`index_unreachable`) when the wheel cannot be had."""
 
     def get(version: str) -> Path:
         try:
-            return sglang_wheel_source(version)
+            return fetch(version)
         except SourceUnavailable as exc:
-            index_unreachable(f"sglang {version} source unavailable: {exc}")
+            index_unreachable(f"sglang {version} {what} unavailable: {exc}")
 
     return get
+
+
+@pytest.fixture(scope="session")
+def sglang_source() -> Callable[[str], Path]:
+    """``(version) -> Path`` of the directory holding that release's ``sglang/`` source; skips when unavailable."""
+    return _or_skip(sglang_wheel_source, "source")
 
 
 #: The vLLM releases the connector supports (kvwire.hosts.host_range.SUPPORTED), oldest first; make_venv.sh
@@ -162,11 +167,4 @@ def each_vllm_python(request: pytest.FixtureRequest) -> Path:
 @pytest.fixture(scope="session")
 def sglang_release() -> Callable[[str], Path]:
     """``(version) -> Path`` of :func:`sglang_release_overlay`; skips when the wheel cannot be had."""
-
-    def get(version: str) -> Path:
-        try:
-            return sglang_release_overlay(version)
-        except SourceUnavailable as exc:
-            index_unreachable(f"sglang {version} wheel unavailable: {exc}")
-
-    return get
+    return _or_skip(sglang_release_overlay, "wheel")
