@@ -8,10 +8,12 @@ plain ones with the attributes the connector reads, and its KV cache by tensors 
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -174,8 +176,20 @@ def _until(fn: Any, timeout_s: float = 10.0) -> Any:
     return got
 
 
-def test_both_sides_move_blocks_in_one_process_through_the_local_backend() -> None:
-    settings = ConnectorSettings.from_extra_config({"backend": "local", "side_channel_port": _port(), "lease_s": 60})
+class LocalPair(NamedTuple):
+    """A prefill and a decode of the connector in one process: both sides of each, the prefill's KV random."""
+
+    p_sched: SchedulerSide
+    d_sched: SchedulerSide
+    p_work: WorkerSide
+    d_work: WorkerSide
+    p_caches: dict[str, torch.Tensor]
+    d_caches: dict[str, torch.Tensor]
+
+
+@contextlib.contextmanager
+def local_pair(settings: ConnectorSettings) -> Iterator[LocalPair]:
+    """A :class:`LocalPair` on ``settings``, its workers' KV caches registered; both workers shut down after."""
     p_sched = SchedulerSide(EngineSide(settings, 1, producer=True, consumer=False), "engine-p")
     d_sched = SchedulerSide(EngineSide(settings, 1, producer=False, consumer=True), "engine-d")
     p_caches, d_caches = vllm_kv_caches(), vllm_kv_caches()
@@ -186,6 +200,15 @@ def test_both_sides_move_blocks_in_one_process_through_the_local_backend() -> No
     p_work.register_kv_caches(p_caches)
     d_work.register_kv_caches(d_caches)
     try:
+        yield LocalPair(p_sched, d_sched, p_work, d_work, p_caches, d_caches)
+    finally:
+        p_work.shutdown()
+        d_work.shutdown()
+
+
+def test_both_sides_move_blocks_in_one_process_through_the_local_backend() -> None:
+    settings = ConnectorSettings.from_extra_config({"backend": "local", "side_channel_port": _port(), "lease_s": 60})
+    with local_pair(settings) as (p_sched, d_sched, p_work, d_work, p_caches, d_caches):
         # prefill: the request finishes holding blocks 1, 2, 3; the decode's own blocks are 6, 4, 5
         prefill = _request("p0", 70, {"do_remote_decode": True}, status="FINISHED_LENGTH_CAPPED")
         delay, params = p_sched.request_finished(prefill, [1, 2, 3])
@@ -208,9 +231,6 @@ def test_both_sides_move_blocks_in_one_process_through_the_local_backend() -> No
         assert sending == {"p0"}
         p_sched.update_connector_output(SimpleNamespace(finished_sending=sending))
         assert not p_sched.has_pending_push_work()
-    finally:
-        p_work.shutdown()
-        d_work.shutdown()
 
 
 def test_a_refused_registration_reports_the_decodes_blocks_as_load_errors_and_nothing_moves() -> None:

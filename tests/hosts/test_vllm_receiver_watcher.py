@@ -12,13 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-from test_vllm_compat import LAYERS, _blocks, _port, _request, _until, vllm_kv_caches
+from test_vllm_compat import LAYERS, _blocks, _port, _request, _until, local_pair
 
 from kvwire import TransferError
 from kvwire.hosts.vllm import ConnectorSettings
-from kvwire.hosts.vllm.scheduler import SchedulerSide
-from kvwire.hosts.vllm.settings import EngineSide
-from kvwire.hosts.vllm.worker import WorkerSide
 
 
 def _move(p_sched: Any, d_sched: Any, p_work: Any, d_work: Any, name: str, src: list[int], dst: list[int]) -> None:
@@ -36,26 +33,17 @@ def _move(p_sched: Any, d_sched: Any, p_work: Any, d_work: Any, name: str, src: 
 
 def test_a_failed_poll_is_logged_and_the_watcher_restarted(caplog: pytest.LogCaptureFixture) -> None:
     settings = ConnectorSettings.from_extra_config({"backend": "local", "side_channel_port": _port(), "lease_s": 60})
-    p_sched = SchedulerSide(EngineSide(settings, 1, producer=True, consumer=False), "engine-p")
-    d_sched = SchedulerSide(EngineSide(settings, 1, producer=False, consumer=True), "engine-d")
-    p_caches, d_caches = vllm_kv_caches(), vllm_kv_caches()
-    for t in p_caches.values():
-        t.view(torch.int16).copy_(torch.randint(-30000, 30000, t.shape, dtype=torch.int16))
-    p_work = WorkerSide(EngineSide(settings, 1, producer=True, consumer=False), 0)
-    d_work = WorkerSide(EngineSide(settings, 1, producer=False, consumer=True), 0)
-    p_work.register_kv_caches(p_caches)
-    d_work.register_kv_caches(d_caches)
-    connection = d_work.connection
-    real_poll = connection.poll_notifications
-    failed: list[int] = []
+    with local_pair(settings) as (p_sched, d_sched, p_work, d_work, p_caches, d_caches):
+        connection = d_work.connection
+        real_poll = connection.poll_notifications
+        failed: list[int] = []
 
-    def poll_failing_once() -> Any:
-        if not failed:
-            failed.append(1)
-            raise TransferError("a transient poll failure")
-        return real_poll()
+        def poll_failing_once() -> Any:
+            if not failed:
+                failed.append(1)
+                raise TransferError("a transient poll failure")
+            return real_poll()
 
-    try:
         _move(p_sched, d_sched, p_work, d_work, "a", [1, 2], [4, 5])
         connection.poll_notifications = poll_failing_once  # the watcher's next poll raises, once
         _until(lambda: failed)
@@ -68,6 +56,3 @@ def test_a_failed_poll_is_logged_and_the_watcher_restarted(caplog: pytest.LogCap
             "notification watcher stopped (TransferError: a transient poll failure); restarting it" in r.getMessage()
             for r in caplog.records
         ), caplog.text
-    finally:
-        p_work.shutdown()
-        d_work.shutdown()

@@ -14,14 +14,11 @@ from typing import Any
 import pytest
 import torch
 from mitm import UP, Frame, Mitm, Relay, flip_last_digit
-from test_vllm_compat import _blocks, _port, _request, _until, vllm_kv_caches
+from test_vllm_compat import _blocks, _port, _request, _until, local_pair
 
 from kvwire.control import KEY_ENV, ControlClosedError, PeerConnection
 from kvwire.hosts.vllm import ConnectorSettings
 from kvwire.hosts.vllm.channel import RegistrationServer
-from kvwire.hosts.vllm.scheduler import SchedulerSide
-from kvwire.hosts.vllm.settings import EngineSide
-from kvwire.hosts.vllm.worker import WorkerSide
 
 KEY = b"0123456789abcdef-the-right-key"
 _TAMPERED = (
@@ -82,53 +79,45 @@ def test_a_registration_altered_on_the_way_is_refused_and_nothing_moves(
     """Decode to prefill through the connector's own parts, with a key; only the untouched registration moves KV."""
     monkeypatch.setenv(KEY_ENV, KEY.decode())
     settings = ConnectorSettings.from_extra_config({"backend": "local", "side_channel_port": _port(), "lease_s": 60})
-    p_sched = SchedulerSide(EngineSide(settings, 1, producer=True, consumer=False), "engine-p")
-    d_sched = SchedulerSide(EngineSide(settings, 1, producer=False, consumer=True), "engine-d")
-    p_caches, d_caches = vllm_kv_caches(), vllm_kv_caches()
-    for t in p_caches.values():
-        t.view(torch.int16).copy_(torch.randint(-30000, 30000, t.shape, dtype=torch.int16))
-    p_work = WorkerSide(EngineSide(settings, 1, producer=True, consumer=False), 0)
-    d_work = WorkerSide(EngineSide(settings, 1, producer=False, consumer=True), 0)
-    p_work.register_kv_caches(p_caches)
-    d_work.register_kv_caches(d_caches)
+    with local_pair(settings) as (p_sched, d_sched, p_work, d_work, p_caches, d_caches):
 
-    def tamper_first(relay: Relay, frame: Frame) -> None:
-        first = (frame.conn, frame.direction, frame.index) == (0, UP, 0)
-        relay.send(frame.direction, flip_last_digit(frame.line) if first else frame.line)
+        def tamper_first(relay: Relay, frame: Frame) -> None:
+            first = (frame.conn, frame.direction, frame.index) == (0, UP, 0)
+            relay.send(frame.direction, flip_last_digit(frame.line) if first else frame.line)
 
-    mitm = Mitm(("127.0.0.1", settings.side_channel_port), tamper_first)
-    try:
-        prefill = _request("p0", 70, {"do_remote_decode": True}, status="FINISHED_LENGTH_CAPPED")
-        _, params = p_sched.request_finished(prefill, [1, 2, 3])
-        assert params is not None
-        p_work.start(p_sched.build_connector_meta(None))
-        via_mitm = dict(params, remote_port=mitm.port)
-        with caplog.at_level(logging.WARNING, logger="kvwire.hosts.vllm"):
-            # the first registration is altered on the way: the prefill refuses it, the decode's blocks fail
-            decode = _request("d0", 70, dict(via_mitm))
-            assert d_sched.get_num_new_matched_tokens(decode, 0) == (70, True)
-            d_sched.update_state_after_alloc(decode, _blocks([6, 4, 5]), 70)
+        mitm = Mitm(("127.0.0.1", settings.side_channel_port), tamper_first)
+        try:
+            prefill = _request("p0", 70, {"do_remote_decode": True}, status="FINISHED_LENGTH_CAPPED")
+            _, params = p_sched.request_finished(prefill, [1, 2, 3])
+            assert params is not None
+            p_work.start(p_sched.build_connector_meta(None))
+            via_mitm = dict(params, remote_port=mitm.port)
+            with caplog.at_level(logging.WARNING, logger="kvwire.hosts.vllm"):
+                # the first registration is altered on the way: the prefill refuses it, the decode's blocks fail
+                decode = _request("d0", 70, dict(via_mitm))
+                assert d_sched.get_num_new_matched_tokens(decode, 0) == (70, True)
+                d_sched.update_state_after_alloc(decode, _blocks([6, 4, 5]), 70)
+                d_work.start(d_sched.build_connector_meta(None))
+                assert _until(lambda: d_work.get_finished()[1]) == {"d0"}
+                assert d_work.load_errors() == {4, 5, 6}
+                assert d_work.receiver is not None
+                assert d_work.receiver.failures == {
+                    "d0": "the prefill did not take the registration: the prefill's kvwire side channel at "
+                    f"127.0.0.1:{mitm.port} closed the connection before answering"
+                }
+                assert _warnings(caplog) == [_TAMPERED.format(port=mitm.relays[0].local_port)]
+            assert all(not t.any() for t in d_caches.values())
+            # the same request registered again, untouched, on a new connection: the prefill serves it
+            again = _request("d1", 70, dict(via_mitm))
+            assert d_sched.get_num_new_matched_tokens(again, 0) == (70, True)
+            d_sched.update_state_after_alloc(again, _blocks([6, 4, 5]), 70)
             d_work.start(d_sched.build_connector_meta(None))
-            assert _until(lambda: d_work.get_finished()[1]) == {"d0"}
-            assert d_work.load_errors() == {4, 5, 6}
-            assert d_work.receiver is not None
-            assert d_work.receiver.failures == {
-                "d0": "the prefill did not take the registration: the prefill's kvwire side channel at "
-                f"127.0.0.1:{mitm.port} closed the connection before answering"
-            }
-            assert _warnings(caplog) == [_TAMPERED.format(port=mitm.relays[0].local_port)]
-        assert all(not t.any() for t in d_caches.values())
-        # the same request registered again, untouched, on a new connection: the prefill serves it
-        again = _request("d1", 70, dict(via_mitm))
-        assert d_sched.get_num_new_matched_tokens(again, 0) == (70, True)
-        d_sched.update_state_after_alloc(again, _blocks([6, 4, 5]), 70)
-        d_work.start(d_sched.build_connector_meta(None))
-        assert _until(lambda: d_work.get_finished()[1]) == {"d1"}
-        assert d_work.load_errors() == set()
-        for name in p_caches:
-            assert torch.equal(d_caches[name][[6, 4, 5]].view(torch.int16), p_caches[name][[1, 2, 3]].view(torch.int16))
-        assert len(mitm.relays) == 2
-    finally:
-        mitm.close()
-        p_work.shutdown()
-        d_work.shutdown()
+            assert _until(lambda: d_work.get_finished()[1]) == {"d1"}
+            assert d_work.load_errors() == set()
+            for name in p_caches:
+                assert torch.equal(
+                    d_caches[name][[6, 4, 5]].view(torch.int16), p_caches[name][[1, 2, 3]].view(torch.int16)
+                )
+            assert len(mitm.relays) == 2
+        finally:
+            mitm.close()
