@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import re
 import socket
 import threading
@@ -12,18 +11,16 @@ from pathlib import Path
 from typing import IO, Any
 
 import pytest
+from echo_server import EchoServer
 
 from kvwire.cli import main
 from kvwire.control import (
     KEY_ENV,
     ControlAuthError,
-    ControlError,
     PeerConnection,
-    accept_one,
     check_listen_key,
     load_key,
     read_command,
-    serve,
 )
 from kvwire.errors import ConfigError
 
@@ -35,68 +32,12 @@ def _no_key_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(KEY_ENV, raising=False)
 
 
-class _Server:
-    """``accept_one`` in a thread on 127.0.0.1; the client it lets through gets an echo service."""
-
-    def __init__(self, key: bytes | None, handshake_s: float = 10.0) -> None:
-        self.key = key
-        self.refused: list[ControlAuthError] = []
-        self.commands: list[dict[str, Any]] = []  # every command the server read, from any client
-        self.announce = _Announce()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(handshake_s,), daemon=True)
-        self.thread.start()
-        self.port = self.announce.port()
-
-    def _run(self, handshake_s: float) -> None:
-        try:
-            sock, reader, writer = accept_one(
-                "127.0.0.1", 0, self.announce, self.key, handshake_s=handshake_s, on_refused=self.refused.append
-            )
-            with sock, reader, writer:
-                serve({"echo": self._echo}, stdin=reader, stdout=writer)
-        except BaseException as exc:  # the test reads it
-            self.error = exc
-
-    def _echo(self, message: dict[str, Any]) -> dict[str, Any]:
-        self.commands.append(message)
-        return {"echo": message.get("v")}
-
-    def stop(self) -> None:
-        """Let the server's accept return (one keyless-or-right connection, closed at once), then join."""
-        if self.thread.is_alive():
-            try:
-                with PeerConnection("127.0.0.1", self.port, what="stopper", timeout_s=5.0, key=self.key):
-                    pass
-            except ControlError:
-                pass
-        self.thread.join(timeout=10)
-
-
-class _Announce(io.StringIO):
-    def __init__(self) -> None:
-        super().__init__()
-        self._ready = threading.Event()
-
-    def write(self, text: str) -> int:
-        n = super().write(text)
-        if "listening on" in text:
-            self._ready.set()
-        return n
-
-    def port(self) -> int:
-        assert self._ready.wait(10), "the server did not announce its port"
-        match = re.search(r"listening on 127\.0\.0\.1:(\d+)", self.getvalue())
-        assert match is not None
-        return int(match.group(1))
-
-
 @pytest.fixture
 def server_factory() -> Iterator[Any]:
-    servers: list[_Server] = []
+    servers: list[EchoServer] = []
 
-    def make(key: bytes | None, **kwargs: Any) -> _Server:
-        server = _Server(key, **kwargs)
+    def make(key: bytes | None, **kwargs: Any) -> EchoServer:
+        server = EchoServer(key, **kwargs, record_refused=True)
         servers.append(server)
         return server
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import io
 import re
 import socket
 import threading
@@ -18,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from echo_server import EchoServer
 from mitm import DOWN, UP, Frame, Mitm, Relay, flip_last_digit, payload
 
 from kvwire.control import (
@@ -27,9 +27,7 @@ from kvwire.control import (
     ControlError,
     ControlProtocolError,
     PeerConnection,
-    accept_one,
     read_command,
-    serve,
 )
 from kvwire.control.auth import client_handshake, server_handshake
 from kvwire.control.channel import Channel
@@ -53,63 +51,16 @@ def _no_key_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(KEY_ENV, raising=False)
 
 
-class _Announce(io.StringIO):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ready = threading.Event()
-
-    def write(self, text: str) -> int:
-        n = super().write(text)
-        self.ready.set()
-        return n
-
-    def port(self) -> int:
-        assert self.ready.wait(10), "the decode side did not start listening"
-        found = re.search(r"listening on 127\.0\.0\.1:(\d+)", self.getvalue())
-        assert found is not None, self.getvalue()
-        return int(found.group(1))
-
-
-class _Decode:
-    """The bench decode's control path in a thread: ``accept_one`` then ``serve`` with an echo handler."""
-
-    def __init__(self, key: bytes | None = KEY) -> None:
-        self.key = key
-        self.commands: list[dict[str, Any]] = []  # what reached the handler
-        self.error: BaseException | None = None  # what ended serve (None: EOF or quit)
-        self.announce = _Announce()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        self.port = self.announce.port()
-
-    def _run(self) -> None:
-        try:
-            sock, reader, writer = accept_one("127.0.0.1", 0, self.announce, self.key, handshake_s=10.0)
-            with sock, reader, writer:
-                serve({"echo": self._echo}, stdin=reader, stdout=writer)
-        except BaseException as exc:  # the test reads it
-            self.error = exc
-
-    def _echo(self, message: dict[str, Any]) -> dict[str, Any]:
-        self.commands.append(message)
-        return {"echo": message.get("v")}
-
-    def finish(self) -> BaseException | None:
-        self.thread.join(timeout=10)
-        assert not self.thread.is_alive(), "serve did not end"
-        return self.error
-
-
 Hook = Callable[[Relay, Frame], None]
 
 
 @pytest.fixture
-def path() -> Iterator[Callable[..., tuple[_Decode, Mitm, PeerConnection]]]:
+def path() -> Iterator[Callable[..., tuple[EchoServer, Mitm, PeerConnection]]]:
     """A decode side, a man in the middle with ``hook``, and a keyed client connected through it."""
-    opened: list[tuple[_Decode, Mitm, PeerConnection]] = []
+    opened: list[tuple[EchoServer, Mitm, PeerConnection]] = []
 
-    def make(hook: Hook | None = None, key: bytes | None = KEY) -> tuple[_Decode, Mitm, PeerConnection]:
-        decode = _Decode(key)
+    def make(hook: Hook | None = None, key: bytes | None = KEY) -> tuple[EchoServer, Mitm, PeerConnection]:
+        decode = EchoServer(key)
         mitm = Mitm(("127.0.0.1", decode.port), hook, keyed=key is not None)
         client = PeerConnection("127.0.0.1", mitm.port, what="decode side", timeout_s=5.0, key=key)
         opened.append((decode, mitm, client))
@@ -127,7 +78,7 @@ def _server_sees(mitm: Mitm) -> str:
     return f"prefill side at 127.0.0.1:{mitm.relays[0].local_port}"
 
 
-def _refused_by_server(decode: _Decode, mitm: Mitm, client: PeerConnection, reason: str) -> None:
+def _refused_by_server(decode: EchoServer, mitm: Mitm, client: PeerConnection, reason: str) -> None:
     """The decode side ended serve with exactly ``reason`` and closed the connection, which the client sees."""
     error = decode.finish()
     assert isinstance(error, ControlAuthError)
