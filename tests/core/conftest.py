@@ -17,10 +17,7 @@ def direct() -> Iterator[tuple[SubmitWithoutNotifications, LocalBackend, str, Me
     """A submit-only backend called directly, its layout registered and a receiving local backend as its peer."""
     memory = Memory()
     sender, receiver = SubmitWithoutNotifications(BackendConfig()), LocalBackend(BackendConfig())
-    sender.register_kv_buffers(memory.local)
-    receiver.register_kv_buffers(memory.peer)
-    endpoint = receiver.endpoint()
-    sender.add_peer(endpoint, memory.peer)
+    endpoint = memory.pair(sender, receiver)
     yield sender, receiver, endpoint, memory
     sender.close()
     receiver.close()
@@ -38,10 +35,7 @@ def held(held_registry: kvwire.Registry) -> Iterator[tuple[kvwire.Connection, He
     """A connection to a native-submit backend whose engine futures the test completes, and its peer."""
     memory = Memory()
     sender, receiver = held_registry.connect("held"), kvwire.connect("local")
-    sender.register_kv_buffers(memory.local)
-    receiver.register_kv_buffers(memory.peer)
-    endpoint = receiver.endpoint()
-    sender.add_peer(endpoint, memory.peer)
+    endpoint = memory.pair(sender, receiver)
     transport = sender.backend.transport
     assert isinstance(transport, HeldTransport)
     yield sender, transport, endpoint, memory

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -68,6 +69,14 @@ class Memory:
         self.src, self.dst = rng.integers(0, 256, (2, PAGES, PAGE_BYTES), dtype=np.uint8)
         self.local, self.peer = KVLayout.mla([self.src]), KVLayout.mla([self.dst])
         self.ptrs = [int(self.dst.ctypes.data)]
+
+    def pair(self, sender: Any, receiver: Any) -> str:
+        """Register each side's layout and add the receiver as the sender's peer; the receiver's endpoint."""
+        sender.register_kv_buffers(self.local)
+        receiver.register_kv_buffers(self.peer)
+        endpoint: str = receiver.endpoint()
+        sender.add_peer(endpoint, self.peer)
+        return endpoint
 
 
 def ids(*pages: int) -> NDArray[np.int32]:

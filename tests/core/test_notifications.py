@@ -229,10 +229,7 @@ def test_notifications_that_arrived_before_the_watcher_are_kept(
 def test_the_notifications_of_one_poll_are_kept_and_seen_in_arrival_order() -> None:
     memory = Memory()
     with kvwire.connect("local") as sender, kvwire.connect("local") as receiver:
-        sender.register_kv_buffers(memory.local)
-        receiver.register_kv_buffers(memory.peer)
-        endpoint = receiver.endpoint()
-        sender.add_peer(endpoint, memory.peer)
+        endpoint = memory.pair(sender, receiver)
         messages = [b"r%d" % k for k in range(6)]
         for message in messages:
             sender.send_notification(endpoint, message)
